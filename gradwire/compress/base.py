@@ -1,0 +1,231 @@
+"""The compressor contract: encode a tensor into a Packet, decode a packet back.
+
+Each algorithm is one small subclass with an immutable config declared as `Param`s,
+so specs, configs and wire checks all come from one declaration.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..errors import WireFormatError
+from . import wire
+from .wire import FLOAT_DTYPES, Kind, Packet, Section
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """Everything randomness may depend on: the same Ctx gives the same bytes."""
+
+    seed: int = 0
+    step: int = 0
+    rank: int = 0
+    key: int = 0
+
+    @staticmethod
+    def key_of(name: str) -> int:
+        """A stable integer key for a bucket or parameter name (same on every rank)."""
+        return zlib.crc32(name.encode())
+
+
+@dataclass(frozen=True)
+class Param:
+    """One config field: its type, default and the check a value must pass."""
+
+    name: str
+    type: type
+    default: Any
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""
+
+    def coerce(self, owner: str, value: Any) -> Any:
+        try:
+            if self.type is bool and isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                value = value.lower() in ("true", "1")
+            elif self.type is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            elif value is not None or self.default is not None:
+                value = self.type(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{owner}: {self.name}={value!r} is not a valid {self.type.__name__}") from None
+        if self.type is float and value is not None and not math.isfinite(value):
+            raise ValueError(f"{owner}: {self.name}={value!r} must be finite")
+        if self.check is not None and value is not None and not self.check(value):
+            raise ValueError(f"{owner}: {self.name}={value!r} is out of range ({self.rule})")
+        return value
+
+
+class Compressor:
+    """Base of every compressor; subclasses set the class attributes and the two hooks.
+
+    Subclasses implement `_encode(flat, ctx) -> list[Section]` over a contiguous 1-D
+    tensor and `_decode(packet) -> flat tensor` after `_check` has validated the
+    sections' kinds, dtypes and lengths against the header and the config.
+    """
+
+    name: ClassVar[str]
+    codec_id: ClassVar[int]
+    params: ClassVar[tuple[Param, ...]] = ()
+    summable: ClassVar[bool] = False  # payloads may be summed element-wise (allreduce)
+    stochastic: ClassVar[bool] = False  # output depends on Ctx
+    role: ClassVar[str] = "dense"  # "dense", "sparse" or "lossless": where it may sit in a chain
+
+    def __init__(self, **kwargs: Any) -> None:
+        known = {p.name: p for p in self.params}
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            valid = ", ".join(known) or "none"
+            raise ValueError(f"{self.name}: unknown parameter(s) {', '.join(unknown)}; valid: {valid}")
+        cfg = {p.name: p.coerce(self.name, kwargs.get(p.name, p.default)) for p in self.params}
+        self._config: dict[str, Any] = cfg
+        self._validate()
+        self.crc = zlib.crc32(str(self).encode())
+
+    def _validate(self) -> None:
+        """Cross-parameter checks; raise ValueError."""
+
+    def __getattr__(self, item: str) -> Any:
+        cfg = self.__dict__.get("_config")
+        if cfg is not None and item in cfg:
+            return cfg[item]
+        raise AttributeError(f"{type(self).__name__} has no attribute {item!r}")
+
+    # ---- config -------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.name, **self._config}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Compressor":
+        from .registry import from_config
+
+        return from_config(config)
+
+    def __str__(self) -> str:
+        args = [f"{p.name}={_fmt(self._config[p.name])}" for p in self.params
+                if self._config[p.name] != p.default]
+        return self.name + (":" + ",".join(args) if args else "")
+
+    def __repr__(self) -> str:
+        return f"gradwire.compressor({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Compressor) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    # ---- sizes --------------------------------------------------------------------
+    def static_size(self, numel: int, dtype: torch.dtype = torch.float32, shape: tuple[int, ...] | None = None) -> int | None:
+        """Packet bytes when known from numel and dtype alone, else None."""
+        sizes = self._section_sizes(numel, dtype)
+        if sizes is None:
+            return None
+        ndim = 1 if shape is None else len(shape)
+        return wire.header_size(ndim, len(sizes)) + sum(wire.align(s) for s in sizes)
+
+    def _section_sizes(self, numel: int, dtype: torch.dtype) -> list[int] | None:
+        return None
+
+    # ---- encode / decode ----------------------------------------------------------
+    def encode(self, x: torch.Tensor, ctx: Ctx | None = None) -> Packet:
+        check_input(self.name, x)
+        flat = x.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        sections = self._encode(flat, ctx if ctx is not None else Ctx())
+        return Packet(self.codec_id, x.dtype, tuple(x.shape), sections, self.crc)
+
+    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        pk = packet if isinstance(packet, Packet) else wire.parse(packet)
+        self.check_header(pk, out)
+        flat = self._decode(pk)
+        return deliver(flat, pk, out)
+
+    def check_header(self, pk: Packet, out: torch.Tensor | None, config: int | None = None) -> None:
+        """Codec, config, dtype, size and section checks before any allocation."""
+        if pk.codec != self.codec_id:
+            raise WireFormatError(f"codec id {pk.codec} is not {self.name}'s ({self.codec_id})")
+        want = self.crc if config is None else config
+        if pk.config != want:
+            raise WireFormatError(f"config checksum {pk.config:#010x} does not match {str(self)!r} ({want:#010x}): "
+                                  "the sender used a different compressor config")
+        if pk.dtype not in FLOAT_DTYPES:
+            raise WireFormatError(f"tensor dtype {pk.dtype} is not one of {FLOAT_DTYPES}")
+        if out is not None:
+            if out.numel() != pk.numel:
+                raise WireFormatError(f"packet holds {pk.numel} elements but out has {out.numel()}")
+        elif pk.numel > wire.MAX_DECODE_NUMEL:
+            raise WireFormatError(f"numel {pk.numel} exceeds the decode limit {wire.MAX_DECODE_NUMEL}; pass out= to allow it")
+        self._check(pk)
+
+    def _check(self, pk: Packet) -> None:
+        raise NotImplementedError
+
+    def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
+        raise NotImplementedError
+
+    def _decode(self, pk: Packet) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- summable payloads (allreduce) ----------------------------------------------
+    def to_summable(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
+        """A typed tensor whose element-wise sum over ranks decodes to the sum of inputs."""
+        raise TypeError(f"{self.name} payloads are not summable; exchange packets by allgather")
+
+    def from_summable(self, payload: torch.Tensor, like: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
+        raise TypeError(f"{self.name} payloads are not summable; exchange packets by allgather")
+
+
+def check_input(name: str, x: Any) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: tensor dtype {x.dtype} is not supported; use one of float32, float16, bfloat16")
+    if x.dim() > wire.MAX_NDIM:
+        raise ValueError(f"{name}: tensors of more than {wire.MAX_NDIM} dimensions are not supported")
+    if x.is_cuda:
+        from ..cuda import require_cupy
+
+        require_cupy()
+
+
+def expect(pk: Packet, *spec: tuple[Kind, torch.dtype | tuple[torch.dtype, ...], int | None]) -> list[torch.Tensor]:
+    """Check a packet has exactly these sections: (kind, dtype(s), element count or None)."""
+    if len(pk.sections) != len(spec):
+        want = ", ".join(k.name for k, _, _ in spec)
+        got = ", ".join(s.kind.name for s in pk.sections)
+        raise WireFormatError(f"expected sections [{want}], packet has [{got}]")
+    out = []
+    for sec, (kind, dtypes, count) in zip(pk.sections, spec):
+        if sec.kind != kind:
+            raise WireFormatError(f"expected a {kind.name} section, found {sec.kind.name}")
+        allowed = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+        if sec.data.dtype not in allowed:
+            raise WireFormatError(f"{kind.name} section has dtype {sec.data.dtype}, expected {allowed}")
+        if count is not None and sec.data.numel() != count:
+            raise WireFormatError(f"{kind.name} section has {sec.data.numel()} elements, expected {count}")
+        out.append(sec.data)
+    return out
+
+
+def deliver(flat: torch.Tensor, pk: Packet, out: torch.Tensor | None) -> torch.Tensor:
+    result = flat.reshape(pk.shape)
+    if out is None:
+        return result
+    out.copy_(result.reshape(out.shape))
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)

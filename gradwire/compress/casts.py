@@ -1,0 +1,62 @@
+"""Dense casts: `none` (raw), `fp16`, `bf16`. Summable: allreduce the cast tensor."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor, Ctx, expect
+from .registry import register
+from .wire import Kind, Packet, Section
+
+
+class _Cast(Compressor):
+    wire_dtype: torch.dtype | None = None  # None: keep the input dtype
+    summable = True
+
+    def _dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.wire_dtype or dtype
+
+    def _section_sizes(self, numel: int, dtype: torch.dtype) -> list[int]:
+        return [numel * torch.empty((), dtype=self._dtype(dtype)).element_size()]
+
+    def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
+        data = flat.to(self._dtype(flat.dtype))
+        return [Section(Kind.DATA, data if data is not flat else flat.clone())]
+
+    def _check(self, pk: Packet) -> None:
+        expect(pk, (Kind.DATA, self._dtype(pk.dtype), pk.numel))
+
+    def _decode(self, pk: Packet) -> torch.Tensor:
+        return pk.section(Kind.DATA).to(pk.dtype)
+
+    def to_summable(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
+        return x.reshape(-1).to(self._dtype(x.dtype), copy=True)
+
+    def from_summable(self, payload: torch.Tensor, like: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
+        return payload.to(like.dtype).reshape(like.shape)
+
+
+@register
+class NoCompression(_Cast):
+    """The identity: raw elements in their own dtype (the dense baseline)."""
+
+    name = "none"
+    codec_id = 1
+
+
+@register
+class FP16(_Cast):
+    """IEEE half precision; values beyond 65504 become inf, as torch's fp16 hook does."""
+
+    name = "fp16"
+    codec_id = 2
+    wire_dtype = torch.float16
+
+
+@register
+class BF16(_Cast):
+    """bfloat16: fp32's exponent range with 8 bits of mantissa."""
+
+    name = "bf16"
+    codec_id = 3
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,134 @@
+"""Chains: ``sparsifier [+ value quantizer] [+ lossless]`` or ``dense [+ lossless]``.
+
+A value stage encodes the sparsifier's VALUES section into a complete inner packet that
+replaces it as a NESTED section; a lossless stage wraps the whole packet in a frame.
+The outermost packet carries the chain's config checksum, inner ones their stage's.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from ..errors import WireFormatError
+from . import wire
+from .base import Compressor, Ctx, check_input, deliver
+from .wire import Kind, Packet, Section
+
+
+class Chain(Compressor):
+    name = "chain"
+    codec_id = 0  # never on the wire: the outer packet carries its last stage's codec
+
+    def __init__(self, stages: list[Compressor]) -> None:
+        if len(stages) < 2:
+            raise ValueError("a chain needs at least two stages")
+        first, rest = stages[0], list(stages[1:])
+        self.lossless = rest.pop() if rest and rest[-1].role == "lossless" else None
+        if first.role == "lossless":
+            raise ValueError(f"{first.name} is lossless and must be the last stage of a chain")
+        if len(rest) > 1:
+            raise ValueError(f"a chain takes one value stage after a sparsifier, got {[str(s) for s in rest]}")
+        if rest:
+            stage = rest[0]
+            if first.role != "sparse":
+                raise ValueError(f"{stage.name} can only follow a sparsifier (topk, randomk, threshold, dgc), "
+                                 f"not {first.name}")
+            if stage.role != "dense":
+                raise ValueError(f"{stage.name} cannot quantize a sparsifier's values; use a dense quantizer or cast")
+        self.first = first
+        self.value_stage: Compressor | None = rest[0] if rest else None
+        self.stages = list(stages)
+        self._config = {}
+        self.crc = zlib.crc32(str(self).encode())
+
+    @property
+    def summable(self) -> bool:  # type: ignore[override]
+        return self.lossless is None and all(s.summable for s in self.stages)
+
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        return any(s.stochastic for s in self.stages)
+
+    def __str__(self) -> str:
+        return "+".join(str(s) for s in self.stages)
+
+    def get_config(self) -> dict:
+        return {"name": "chain", "stages": [s.get_config() for s in self.stages]}
+
+    def static_size(self, numel: int, dtype: torch.dtype = torch.float32, shape: tuple[int, ...] | None = None) -> int | None:
+        if self.lossless is not None:
+            return None
+        base = self.first.static_size(numel, dtype, shape)
+        if base is None or self.value_stage is None:
+            return base
+        k = self.first.value_count(numel)  # type: ignore[attr-defined]
+        inner = self.value_stage.static_size(k, dtype)
+        if inner is None:
+            return None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return base - wire.align(k * itemsize) + inner
+
+    def encode(self, x: torch.Tensor, ctx: Ctx | None = None) -> Packet:
+        check_input(str(self), x)
+        ctx = ctx if ctx is not None else Ctx()
+        p = self.first.encode(x, ctx)
+        if self.value_stage is not None:
+            inner = self.value_stage.encode(p.section(Kind.VALUES), ctx)
+            p.sections = [Section(Kind.NESTED, inner.tensor()) if s.kind == Kind.VALUES else s for s in p.sections]
+            p._buffer = None
+        if self.lossless is not None:
+            p = self.lossless.wrap(p)  # type: ignore[attr-defined]
+        p.config, p._buffer = self.crc, None
+        return p
+
+    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        pk = packet if isinstance(packet, Packet) else wire.parse(packet)
+        if pk.config != self.crc:
+            raise WireFormatError(f"config checksum {pk.config:#010x} does not match {str(self)!r} ({self.crc:#010x}): "
+                                  "the sender used a different compressor config")
+        inner_config = self.crc
+        if self.lossless is not None:
+            self.lossless.check_header(pk, out, config=self.crc)
+            wrapped = self.lossless.unwrap(pk)  # type: ignore[attr-defined]
+            if wrapped.dtype != pk.dtype or wrapped.shape != pk.shape:
+                raise WireFormatError("a lossless frame's inner packet disagrees with its outer header")
+            pk, inner_config = wrapped, self.first.crc
+        if self.value_stage is not None:
+            pk = self._decode_values(pk)
+        return self._decode_first(pk, inner_config, out)
+
+    def _decode_first(self, pk: Packet, config: int, out: torch.Tensor | None) -> torch.Tensor:
+        self.first.check_header(pk, out, config=config)
+        return deliver(self.first._decode(pk), pk, out)
+
+    def _decode_values(self, pk: Packet) -> Packet:
+        """Replace the NESTED section by the VALUES it encodes."""
+        kinds = pk.kinds()
+        if kinds.count(Kind.NESTED) != 1:
+            raise WireFormatError(f"expected one NESTED section in a {self} packet, found {[k.name for k in kinds]}")
+        raw = pk.section(Kind.NESTED)
+        if raw.dtype != torch.uint8:
+            raise WireFormatError(f"NESTED section has dtype {raw.dtype}, expected uint8")
+        inner = wire.parse(raw)
+        assert self.value_stage is not None
+        if inner.dtype != pk.dtype or len(inner.shape) != 1:
+            raise WireFormatError(f"nested values must be a 1-D {pk.dtype} tensor, got {inner.dtype} {inner.shape}")
+        values = self.value_stage.decode(inner)
+        sections = [Section(Kind.VALUES, values) if s.kind == Kind.NESTED else s for s in pk.sections]
+        return Packet(pk.codec, pk.dtype, pk.shape, sections, pk.config, pk.flags)
+
+    def to_summable(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
+        if not self.summable:
+            return super().to_summable(x, ctx)
+        payload = self.first.to_summable(x, ctx)
+        return self.value_stage.to_summable(payload, ctx) if self.value_stage is not None else payload
+
+    def from_summable(self, payload: torch.Tensor, like: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
+        if not self.summable:
+            return super().from_summable(payload, like, ctx)
+        if self.value_stage is not None:
+            k = self.first.value_count(like.numel())  # type: ignore[attr-defined]
+            payload = self.value_stage.from_summable(payload, torch.empty(k, dtype=like.dtype, device=like.device), ctx)
+        return self.first.from_summable(payload, like, ctx)

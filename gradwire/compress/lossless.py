@@ -1,0 +1,1 @@
+"""Sparsifiers (placeholder until written)."""

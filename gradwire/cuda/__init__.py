@@ -1,0 +1,17 @@
+"""CUDA kernels (CuPy). CuPy is optional: importing gradwire never needs it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def cupy_available() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
+def require_cupy() -> None:
+    """Fail with the install hint when a CUDA tensor arrives and CuPy is missing."""
+    if not cupy_available():
+        raise RuntimeError(
+            "gradwire needs CuPy for CUDA tensors: pip install 'gradwire[cuda12]' "
+            "(CUDA 12) or 'gradwire[cuda13]' (CUDA 13)")
