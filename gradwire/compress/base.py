@@ -140,9 +140,11 @@ class Compressor:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         sections = self._encode(flat, ctx if ctx is not None else Ctx())
-        return Packet(self.codec_id, x.dtype, tuple(x.shape), sections, self.crc)
+        return Packet(self.codec_id, x.dtype, tuple(x.shape), sections, self.crc).freeze()
 
     def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Validate, then rebuild the tensor. Without `out` the result may share the
+        packet's memory (the `none` codec returns a view), so copy before mutating it."""
         pk = packet if isinstance(packet, Packet) else wire.parse(packet)
         self.check_header(pk, out)
         flat = self._decode(pk)

@@ -20,8 +20,7 @@ class _Cast(Compressor):
         return [numel * torch.empty((), dtype=self._dtype(dtype)).element_size()]
 
     def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
-        data = flat.to(self._dtype(flat.dtype))
-        return [Section(Kind.DATA, data if data is not flat else flat.clone())]
+        return [Section(Kind.DATA, flat.to(self._dtype(flat.dtype)))]  # encode() copies it into the packet
 
     def _check(self, pk: Packet) -> None:
         expect(pk, (Kind.DATA, self._dtype(pk.dtype), pk.numel))

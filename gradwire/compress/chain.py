@@ -80,8 +80,8 @@ class Chain(Compressor):
             p._buffer = None
         if self.lossless is not None:
             p = self.lossless.wrap(p)  # type: ignore[attr-defined]
-        p.config, p._buffer = self.crc, None
-        return p
+        p.config = self.crc
+        return p.freeze()
 
     def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         pk = packet if isinstance(packet, Packet) else wire.parse(packet)

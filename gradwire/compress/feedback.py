@@ -38,19 +38,30 @@ class ErrorFeedback:
 
     def encode_decode(self, x: torch.Tensor, key: int | str, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
         """Compress x plus the stored residual; return the packet and what it decodes to."""
-        name = str(key)
-        e = self.residuals.get(name)
-        if e is not None and (e.shape != x.shape or e.dtype != x.dtype or e.device != x.device):
-            raise ValueError(f"error feedback key {name!r}: tensor is {tuple(x.shape)} {x.dtype} on {x.device}, "
-                             f"but its residual is {tuple(e.shape)} {e.dtype} on {e.device}")
-        corrected = x + e if e is not None else x.clone()
+        corrected = self.correct(x, key)
         packet = self.compressor.encode(corrected, ctx)
         sent = self.compressor.decode(packet)
-        residual = corrected.sub_(sent)
-        if e is None:
-            e = torch.zeros_like(x)
-        self.residuals[name] = torch.where(_all_finite(residual), residual, e)
+        self.update(key, corrected, sent)
         return packet, sent
+
+    def correct(self, x: torch.Tensor, key: int | str) -> torch.Tensor:
+        """x plus the residual stored under key (a new tensor; x is not modified)."""
+        e = self.residuals.get(str(key))
+        if e is None:
+            return x.clone()
+        if e.shape != x.shape or e.dtype != x.dtype or e.device != x.device:
+            raise ValueError(f"error feedback key {str(key)!r}: tensor is {tuple(x.shape)} {x.dtype} on {x.device}, "
+                             f"but its residual is {tuple(e.shape)} {e.dtype} on {e.device}")
+        return x + e
+
+    def update(self, key: int | str, corrected: torch.Tensor, sent: torch.Tensor) -> None:
+        """Keep corrected - sent as the new residual, unless it is not finite (then keep the old).
+        Consumes `corrected` (it becomes the residual)."""
+        name = str(key)
+        residual = corrected.sub_(sent)
+        old = self.residuals.get(name)
+        self.residuals[name] = torch.where(_all_finite(residual), residual,
+                                           old if old is not None else torch.zeros_like(residual))
 
     def residual(self, key: int | str) -> torch.Tensor | None:
         return self.residuals.get(str(key))

@@ -139,6 +139,18 @@ class Packet:
             self._buffer = _serialize(self)
         return self._buffer
 
+    def freeze(self) -> "Packet":
+        """Serialize now and point the sections at the buffer, so later changes to the
+        tensors the sections came from (the caller's gradient, say) cannot alter the packet."""
+        self._buffer = None
+        buf = self.tensor()
+        pos = self.header_nbytes
+        for s in self.sections:
+            n = s.nbytes
+            s.data = buf[pos: pos + n].view(s.data.dtype) if n else s.data.new_empty(0)
+            pos += align(n)
+        return self
+
     def header_bytes(self) -> bytes:
         for s in self.sections:
             if s.data.dtype not in DTYPE_CODES:

@@ -1,0 +1,183 @@
+"""Alpha-beta cost model and the `auto` strategy that chooses by it.
+
+A collective of n bytes over P ranks is modelled with ring algorithms:
+allreduce ``2(P-1)·alpha + 2(P-1)/P · n · beta``, allgather of m bytes each
+``(P-1)·alpha + (P-1) · m · beta``, broadcast ``ceil(log2 P)·(alpha + n·beta)``.
+alpha (s) and beta (s/byte) are measured once at start-up, then averaged over ranks so
+every rank holds the same numbers and makes the same choice for every bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..compress import Compressor, Ctx, compressor as make_compressor
+from .backend import Backend, Work
+from .strategies import Allgather, Allreduce, ARTopK, DenseAllreduce, ExchangeStats, Strategy, segments_of
+
+log = logging.getLogger("gradwire")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    alpha: float  # seconds per message
+    beta: float  # seconds per byte
+
+    def allreduce(self, nbytes: int, world: int) -> float:
+        return 2 * (world - 1) * self.alpha + 2 * (world - 1) / world * nbytes * self.beta
+
+    def allgather(self, nbytes_each: int, world: int, sized: bool = True) -> float:
+        t = (world - 1) * (self.alpha + nbytes_each * self.beta)
+        return t if sized else t + (world - 1) * (self.alpha + 8 * self.beta)  # size exchange
+
+    def broadcast(self, nbytes: int, world: int) -> float:
+        return math.ceil(math.log2(max(world, 2))) * (self.alpha + nbytes * self.beta)
+
+
+def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5) -> CostModel:
+    """Fit alpha and beta from timed allreduces of `small` and `large` float32 elements."""
+    world = backend.world_size
+
+    def timed(n: int) -> float:
+        t = torch.zeros(n)
+        backend.allreduce(t).wait()  # warm-up
+        samples = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            backend.allreduce(t).wait()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    t_small, t_large = timed(small), timed(large)
+    steps = max(2 * (world - 1), 1)
+    alpha = max(t_small / steps, 1e-7)
+    beta = max((t_large - t_small) / (2 * (world - 1) / world * 4 * (large - small)) if world > 1 else 1e-10, 1e-12)
+    agreed = torch.tensor([alpha, beta], dtype=torch.float64)
+    backend.allreduce(agreed).wait()
+    alpha, beta = (agreed / world).tolist()
+    return CostModel(alpha, beta)
+
+
+def estimated_packet_bytes(c: Compressor, numel: int, dtype: torch.dtype) -> int | None:
+    """Packet size from numel alone (identical on every rank), or None if data-dependent
+    with no estimate."""
+    static = c.static_size(numel, dtype)
+    if static is not None:
+        return static
+    count = getattr(c, "value_count", None) or getattr(getattr(c, "first", None), "value_count", None)
+    if count is not None and count(numel) is not None:
+        item = torch.empty((), dtype=dtype).element_size()
+        return 128 + count(numel) * (item + 4)
+    return None
+
+
+class Auto(Strategy):
+    """The cheapest of dense allreduce, allreduce of summable payloads, allgather of packets
+    and (for plain top-k) AR-top-k, by the cost model. The choice is made once, from the sizes
+    of all the tensors exchanged (`plan_sizes`, set by the DDP hook from the model's
+    parameters) or else from the first bucket, so it is the same on every rank and does not
+    depend on how tensors are grouped into buckets."""
+
+    name = "auto"
+
+    def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
+                 alpha: float | None = None, beta: float | None = None) -> None:
+        super().__init__(backend, compressor, error_feedback=False)
+        if (alpha is None) != (beta is None):
+            raise ValueError("give both alpha and beta to override the measured cost model, or neither")
+        self.model = CostModel(alpha, beta) if alpha is not None else measure(backend)  # type: ignore[arg-type]
+        log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s)", self.model.alpha, self.model.beta,
+                 1e-9 / self.model.beta)
+        c = self.compressor
+        self.subs: dict[str, Strategy] = {"dense": DenseAllreduce(backend),
+                                          "allgather": Allgather(backend, c, error_feedback)}
+        if c.summable:
+            self.subs["allreduce"] = Allreduce(backend, c, error_feedback)
+        if c.name == "topk":
+            self.subs["artopk"] = ARTopK(backend, c, error_feedback)
+        self.plan_sizes: list[int] | None = None
+        self.choice: str | None = None
+
+    def predict(self, sizes: list[int], dtype: torch.dtype) -> dict[str, float]:
+        """Modelled seconds of each candidate for exchanging tensors of these sizes."""
+        world, m = self.backend.world_size, self.model
+        item = torch.empty((), dtype=dtype).element_size()
+        dense = sum(sizes) * item
+        packed = [estimated_packet_bytes(self.compressor, n, dtype) for n in sizes]
+        times = {"dense": m.allreduce(dense, world)}
+        if None in packed:
+            times["allgather"] = 0.0  # size unknown until sent: trust the user's choice to compress
+            return times
+        est = sum(min(p, n * item) for p, n in zip(packed, sizes))  # type: ignore[type-var]
+        static = all(self.compressor.static_size(n, dtype) is not None for n in sizes)
+        times["allgather"] = m.allgather(est, world, sized=static)
+        if "allreduce" in self.subs:
+            times["allreduce"] = m.allreduce(est, world)
+        if "artopk" in self.subs:
+            k = sum(self.compressor.value_count(n) for n in sizes)  # type: ignore[attr-defined]
+            times["artopk"] = m.broadcast(8 * k, world) + m.allreduce(k * item + item, world)
+        return times
+
+    def choose(self, sizes: list[int], dtype: torch.dtype) -> str:
+        if self.choice is None:
+            times = self.predict(self.plan_sizes or sizes, dtype)
+            self.choice = min(times, key=lambda n: times[n])
+            log.info("gradwire auto: %s for %d tensors of %d elements in all; modelled: %s", self.choice,
+                     len(self.plan_sizes or sizes), sum(self.plan_sizes or sizes),
+                     ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in times.items()))
+        return self.choice
+
+    def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
+                 shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
+        sizes = [s.numel for s in segments_of(x, key, shapes, keys)]
+        return self.subs[self.choose(sizes, x.dtype)].exchange(x, key, ctx, average, shapes, keys)
+
+    def take_stats(self) -> ExchangeStats:
+        stats = ExchangeStats()
+        for sub in self.subs.values():
+            stats = stats.merge(sub.take_stats())
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"choice": self.choice, "subs": {n: s.state_dict() for n, s in self.subs.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.choice = state["choice"]
+        for n, s in state["subs"].items():
+            self.subs[n].load_state_dict(s)
+
+
+STRATEGIES = ("auto", "allreduce", "allgather", "artopk", "powersgd", "dense")
+
+
+def make_strategy(name: str, backend: Backend, compressor: Compressor | str = "none", error_feedback: bool = True,
+                  **options: Any) -> Strategy:
+    """Build a strategy by name; unknown names or options raise ValueError."""
+    c = make_compressor(compressor)
+    if name == "powersgd":
+        from .powersgd import PowerSGD
+
+        return PowerSGD(backend, error_feedback=error_feedback, **options)
+    if options and name != "auto":
+        raise ValueError(f"strategy {name!r} takes no options, got {sorted(options)}")
+    if name == "auto":
+        unknown = set(options) - {"alpha", "beta"}
+        if unknown:
+            raise ValueError(f"strategy 'auto' takes alpha and beta, got {sorted(unknown)}")
+        return Auto(backend, c, error_feedback, **options)
+    if name == "allreduce":
+        return Allreduce(backend, c, error_feedback)
+    if name == "allgather":
+        return Allgather(backend, c, error_feedback)
+    if name == "artopk":
+        return ARTopK(backend, c, error_feedback)
+    if name == "dense":
+        return DenseAllreduce(backend)
+    raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")

@@ -1,0 +1,80 @@
+"""Run a function on N real processes joined in a gloo process group (no mocks).
+
+Each rank calls ``fn(rank, world, *args)``; its return value (picklable) comes back in
+rank order. A rank that raises fails the caller with that rank's traceback; a rank that
+hangs fails it after `timeout` seconds. Every child is killed on the way out.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_module
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _child(fn: Callable, rank: int, world: int, store_path: str, queue: Any, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+        try:
+            # plain pickle bytes: tensors sent through mp queues as shared memory die with the child
+            queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_child, args=(fn, r, world, store, queue, args), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        failed_at = 0.0
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) + len(errors) < world:
+                try:
+                    rank, ok, value = queue.get(timeout=1.0)
+                except queue_module.Empty:
+                    now = time.monotonic()
+                    if errors and now > failed_at + 20:
+                        break  # a failed rank explains the hang of its peers
+                    if all(not p.is_alive() for p in procs):
+                        silent = [r for r in range(world) if r not in results]
+                        errors.append(f"ranks {silent} exited without reporting "
+                                      f"(exit codes {[procs[r].exitcode for r in silent]})")
+                        break
+                    if now > deadline:
+                        raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
+                                           f"within {timeout:.0f} s") from None
+                    continue
+                if ok:
+                    results[rank] = pickle.loads(value)
+                else:
+                    errors.append(f"rank {rank} failed:\n{value}")
+                    failed_at = time.monotonic()
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [results[r] for r in range(world)]
