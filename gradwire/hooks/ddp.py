@@ -22,7 +22,10 @@ Checkpoint recipe (a resumed run continues bit-identically)::
     state.load_state_dict(ckpt["hook"])
 
 The state also pickles (without its process group or model); re-attach it with
-`register(ddp, state=unpickled_state)`.
+`register(ddp, state=unpickled_state)`. Registering by hand works too —
+`ddp.register_comm_hook(GradwireState(..., model=ddp), gradwire_hook)` — but without
+`model=` the state is keyed by bucket index, and a resumed process (whose first
+iteration uses DDP's initial buckets) then fails with a residual-shape error.
 """
 
 
@@ -104,8 +107,11 @@ class GradwireState:
     def strategy(self) -> Strategy:
         if self._strategy is None:
             backend = TorchDistBackend(self.process_group)
+            options = dict(self.strategy_options)
+            if self.strategy_name == "powersgd":
+                options.setdefault("seed", self.seed)  # PowerSGD's shared random init
             self._strategy = make_strategy(self.strategy_name, backend, self.compressor,
-                                           error_feedback=self.error_feedback, **self.strategy_options)
+                                           error_feedback=self.error_feedback, **options)
             self._dense = DenseAllreduce(backend)
             if hasattr(self._strategy, "plan_sizes"):
                 self._strategy.plan_sizes = self._param_sizes
