@@ -115,6 +115,12 @@ class Chain(Compressor):
         assert self.value_stage is not None
         if inner.dtype != pk.dtype or len(inner.shape) != 1:
             raise WireFormatError(f"nested values must be a 1-D {pk.dtype} tensor, got {inner.dtype} {inner.shape}")
+        # Check the count before the value stage allocates: a forged nested numel must not
+        # make a small packet decode into a huge buffer.
+        k = self.first.value_count(pk.numel)  # type: ignore[attr-defined]
+        if inner.numel > pk.numel or (k is not None and inner.numel != k):
+            raise WireFormatError(f"nested values packet holds {inner.numel} elements, expected "
+                                  f"{k if k is not None else f'at most {pk.numel}'} for {pk.numel} elements")
         values = self.value_stage.decode(inner)
         sections = [Section(Kind.VALUES, values) if s.kind == Kind.NESTED else s for s in pk.sections]
         return Packet(pk.codec, pk.dtype, pk.shape, sections, pk.config, pk.flags)

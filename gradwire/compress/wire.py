@@ -36,7 +36,7 @@ MAX_NDIM = 16
 MAX_SECTIONS = 16
 ALIGN = 8
 _FIXED = struct.Struct("<4sBBBBBBHIQ")
-_SECTION = struct.Struct("<BB6xQ")
+_SECTION = struct.Struct("<BB6sQ")
 assert _FIXED.size == 24 and _SECTION.size == 16
 
 #: Largest tensor a packet may declare when the caller gives no ``out``; guards sparse
@@ -159,7 +159,7 @@ class Packet:
                            len(self.shape), len(self.sections), 0, self.config, self.numel)
         head += struct.pack(f"<{len(self.shape)}Q", *self.shape)
         for s in self.sections:
-            head += _SECTION.pack(int(s.kind), DTYPE_CODES[s.data.dtype], s.nbytes)
+            head += _SECTION.pack(int(s.kind), DTYPE_CODES[s.data.dtype], bytes(6), s.nbytes)
         return head
 
 
@@ -227,7 +227,9 @@ def parse(buf: torch.Tensor) -> Packet:
     sections: list[Section] = []
     pos = hsize
     for i in range(nsec):
-        kind_code, sdtype_code, nbytes = _SECTION.unpack_from(rest, 8 * ndim + _SECTION.size * i)
+        kind_code, sdtype_code, sreserved, nbytes = _SECTION.unpack_from(rest, 8 * ndim + _SECTION.size * i)
+        if sreserved != bytes(6):
+            raise WireFormatError(f"section {i}: reserved bytes are not zero")
         try:
             kind = Kind(kind_code)
         except ValueError:
