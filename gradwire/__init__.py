@@ -8,10 +8,10 @@
 
 from .compress import (Compressor, Ctx, DGCMomentum, ErrorFeedback, Packet, available, compressor,
                        from_config, register)
-from .errors import WireFormatError
+from .errors import ConfigMismatchError, WireFormatError
 
 __version__ = "0.1.0"
 __all__ = [
-    "Compressor", "Ctx", "Packet", "ErrorFeedback", "DGCMomentum", "WireFormatError",
+    "Compressor", "Ctx", "Packet", "ErrorFeedback", "DGCMomentum", "WireFormatError", "ConfigMismatchError",
     "available", "compressor", "from_config", "register", "__version__",
 ]

@@ -1,0 +1,14 @@
+"""Exchanging compressed gradients: backends, strategies, the cost model, a plain-MPI API.
+
+mpi4py is imported only when an `MPIBackend` is created.
+"""
+
+from .api import GradientExchanger
+from .backend import Backend, Work
+from .cost import CostModel, make_strategy
+from .mpi import MPIBackend, mpi_cuda_aware
+from .sparse import merge_dense, merge_sparse, sparse_allgather
+from .strategies import ExchangeStats, Strategy
+
+__all__ = ["Backend", "Work", "GradientExchanger", "MPIBackend", "mpi_cuda_aware", "sparse_allgather",
+           "merge_dense", "merge_sparse", "CostModel", "make_strategy", "ExchangeStats", "Strategy"]

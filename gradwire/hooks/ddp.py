@@ -40,10 +40,9 @@ from ..comm.cost import make_strategy
 from ..comm.strategies import DenseAllreduce, Strategy
 from ..comm.torch_dist import TorchDistBackend
 from ..compress import Ctx, compressor as make_compressor
+from ..errors import ConfigMismatchError
 
 
-class ConfigMismatchError(RuntimeError):
-    """Ranks registered different gradwire configs."""
 
 
 class GradwireState:

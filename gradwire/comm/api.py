@@ -1,0 +1,256 @@
+"""Gradient exchange for hand-written data-parallel loops (mpi4py or any `Backend`).
+
+    >>> from mpi4py import MPI
+    >>> from gradwire.comm.api import GradientExchanger
+    >>> ex = GradientExchanger("topk:ratio=0.01", strategy="allgather")
+    >>> ex.broadcast_(model.parameters())          # same initial weights everywhere
+    >>> for x, y in shard:
+    ...     opt.zero_grad(); loss_fn(model(x), y).backward()
+    ...     ex.exchange_(model.parameters())        # grads := compressed mean over ranks
+    ...     opt.step()
+
+Buckets and keys: the gradients are flattened, in the order given, into one bucket per
+(device, dtype) — usually a single bucket, so one collective per step — or, with ``bucket_mb``,
+into consecutive buckets of about that size (a tensor is never split; a larger one gets a bucket
+of its own). Inside a bucket every tensor is compressed on its own (``per_tensor=True``,
+the default: top-k keeps ``ratio`` of each tensor, a tensor too small to gain is sent raw)
+under a stable key — its name when you pass ``model.named_parameters()``, else its position
+in the sequence — which also keys its error-feedback residual and its randomness, so state
+does not depend on ``bucket_mb``. With ``per_tensor=False`` each bucket is compressed whole
+(global top-k over the bucket) under the key ``"bucket<i>"``.
+
+Every rank must pass the same tensors, in the same order, every step. The first exchange
+checks that the ranks agree on the config and the layout and raises `ConfigMismatchError` on
+every rank if not; a rank whose layout changes later checks again, which works only when all
+ranks change together (a one-sided change after the first step is not detected).
+
+All ranks receive bit-identical gradients — allgather-based strategies decode and sum in rank
+order; allreduce-based ones get one sum from MPI (Open MPI's algorithms hand every rank the
+same bits) — so with the same optimizer they keep bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Iterable
+
+import torch
+
+from ..compress import Compressor, Ctx, compressor as make_compressor
+from ..errors import ConfigMismatchError
+from .backend import Backend, Work
+from .strategies import ExchangeStats, Strategy
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+
+
+def _named(tensors: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    """(key, tensor) for tensors or (name, tensor) pairs; positions become keys "#<i>"."""
+    out = []
+    for i, item in enumerate(tensors):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            out.append(item)
+        elif isinstance(item, torch.Tensor):
+            out.append((f"#{i}", item))
+        else:
+            raise TypeError(f"expected tensors or (name, tensor) pairs, got {type(item).__name__} at position {i}")
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError("tensor names must be unique")
+    return out
+
+
+def _gradient_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor to exchange for t: a parameter's .grad (zeros when None; None for frozen
+    parameters), else t itself."""
+    if isinstance(t, torch.nn.Parameter) or t.requires_grad:
+        if not t.requires_grad:
+            return None  # frozen parameter: nothing to exchange
+        if t.grad is None:
+            t.grad = torch.zeros_like(t)  # unused this step: contribute zeros, keep the layout
+        return t.grad
+    return t
+
+
+class GradientExchanger:
+    """Compress, exchange and average gradients over every rank of `backend`.
+
+    compressor: a spec string (``"topk:ratio=0.01"``, ``"fp16"``, ...) or a `Compressor`.
+    backend: a `Backend`; default `MPIBackend` over ``MPI.COMM_WORLD``.
+    strategy: ``"allgather"`` (any compressor), ``"allreduce"`` (summable ones), ``"artopk"``,
+        ``"dense"``, ``"powersgd"``, or ``"auto"`` (chosen per bucket by a measured cost model;
+        construction then runs timed collectives on every rank); extra keyword arguments go to
+        the strategy (e.g. ``alpha``/``beta`` for auto).
+    error_feedback: keep what the compressor dropped and add it to the next step's gradient.
+    seed: for stochastic compressors (randomness is keyed by seed, step, rank and bucket).
+    bucket_mb: split the flat gradient into buckets of about this many MiB (default: one
+        bucket per device and dtype).
+    per_tensor: compress each tensor separately under its own key (default), else each
+        bucket as a whole.
+    """
+
+    def __init__(self, compressor: Compressor | str = "topk:ratio=0.01", backend: Backend | None = None,
+                 strategy: str = "allgather", error_feedback: bool = True, seed: int = 0,
+                 bucket_mb: float | None = None, per_tensor: bool = True, **strategy_options: Any) -> None:
+        from .cost import make_strategy  # cost imports every strategy; keep importing this module cheap
+
+        if backend is None:
+            from .mpi import MPIBackend
+
+            backend = MPIBackend()
+        if bucket_mb is not None and not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        self.backend = backend
+        self.compressor = make_compressor(compressor)
+        self.strategy_name = strategy
+        self.error_feedback = bool(error_feedback)
+        self.seed = int(seed)
+        self.bucket_mb = bucket_mb
+        self.per_tensor = bool(per_tensor)
+        self.strategy_options = dict(strategy_options)
+        self.strategy: Strategy = make_strategy(strategy, backend, self.compressor,
+                                                error_feedback=self.error_feedback, **strategy_options)
+        self.step = 0
+        self.last_stats: dict[str, Any] | None = None
+        self.totals = ExchangeStats()
+        self._checked_layout: tuple | None = None
+
+    # ---- identity ------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    def config(self) -> dict[str, Any]:
+        return {"compressor": str(self.compressor), "strategy": self.strategy_name,
+                "error_feedback": self.error_feedback, "seed": self.seed, "bucket_mb": self.bucket_mb,
+                "per_tensor": self.per_tensor,
+                "strategy_options": dict(sorted(self.strategy_options.items()))}
+
+    def __repr__(self) -> str:
+        return f"GradientExchanger({self.config()}, backend={self.backend!r}, step={self.step})"
+
+    # ---- bucketing -----------------------------------------------------------------
+    def _buckets(self, grads: list[torch.Tensor]) -> list[list[int]]:
+        """Indices of grads per bucket: grouped by (device, dtype) in order of first appearance,
+        then cut at about bucket_mb."""
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, g in enumerate(grads):
+            groups.setdefault((g.device, g.dtype), []).append(i)
+        if self.bucket_mb is None:
+            return list(groups.values())
+        cap = self.bucket_mb * (1 << 20)
+        buckets: list[list[int]] = []
+        for members in groups.values():
+            current: list[int] = []
+            size = 0
+            for i in members:
+                nbytes = grads[i].numel() * grads[i].element_size()
+                if current and size + nbytes > cap:
+                    buckets.append(current)
+                    current, size = [], 0
+                current.append(i)
+                size += nbytes
+            if current:
+                buckets.append(current)
+        return buckets
+
+    def _check_layout(self, layout: tuple) -> None:
+        """Every rank must agree on the config and the bucket layout (blocking; first step only,
+        or when this rank's layout changes)."""
+        desc = repr((self.config(), layout))
+        prints = self.backend.allgather_object((zlib.crc32(desc.encode()), desc))
+        if len({p for p, _ in prints}) > 1:
+            lines = "\n".join(f"  rank {r}: {d}" for r, (_, d) in enumerate(prints))
+            raise ConfigMismatchError(f"gradwire exchangers differ across ranks (config, bucket layout):\n{lines}")
+        self._checked_layout = layout
+
+    # ---- exchange ------------------------------------------------------------------
+    def exchange_(self, tensors: Iterable[Any], average: bool = True) -> dict[str, Any]:
+        """Replace every gradient by its compressed mean (sum with average=False) over ranks,
+        in place, and return this step's stats.
+
+        `tensors`: parameters (their .grad is exchanged; a missing .grad becomes zeros, frozen
+        parameters are skipped), gradient tensors, or (name, tensor) pairs of either kind,
+        e.g. ``model.named_parameters()``."""
+        self.exchange_async_(tensors, average).wait()
+        assert self.last_stats is not None
+        return self.last_stats
+
+    def exchange_async_(self, tensors: Iterable[Any], average: bool = True) -> Work[dict[str, Any]]:
+        """Like `exchange_`, but returns once the collectives are issued: the gradients are
+        written (and the stats returned) when the returned Work is waited for. Wait for it
+        before the next exchange and before reading the gradients."""
+        named = [(k, g) for k, g in ((k, _gradient_of(t)) for k, t in _named(tensors)) if g is not None]
+        keys = [k for k, _ in named]
+        grads = [g for _, g in named]
+        for k, g in named:
+            if g.dtype not in _DTYPES:
+                raise TypeError(f"gradient {k!r} is {g.dtype}; compressors take float32, float16 or bfloat16")
+        buckets = self._buckets(grads)
+        layout = tuple((str(grads[b[0]].dtype), tuple((keys[i], tuple(grads[i].shape)) for i in b))
+                       for b in buckets)
+        if layout != self._checked_layout:
+            self._check_layout(layout)
+        step = self.step
+        self.step += 1
+        works: list[tuple[list[int], Work[torch.Tensor]]] = []
+        for b, members in enumerate(buckets):
+            flat = torch.cat([grads[i].detach().reshape(-1) for i in members])
+            ctx = Ctx(seed=self.seed, step=step, rank=self.backend.rank, key=b)
+            if self.per_tensor:
+                shapes = [grads[i].shape for i in members]
+                work = self.strategy.exchange(flat, b, ctx, average=average, shapes=shapes,
+                                              keys=[keys[i] for i in members])
+            else:
+                work = self.strategy.exchange(flat, f"bucket{b}", ctx, average=average)
+            works.append((members, work))
+
+        def finish() -> dict[str, Any]:
+            with torch.no_grad():
+                for members, work in works:
+                    out = work.wait().reshape(-1)
+                    offset = 0
+                    for i in members:
+                        n = grads[i].numel()
+                        grads[i].copy_(out[offset: offset + n].view_as(grads[i]))
+                        offset += n
+            stats = self.strategy.take_stats()
+            self.totals = self.totals.merge(stats)
+            self.last_stats = {**stats.as_dict(), "step": step}
+            return self.last_stats
+
+        return Work(wait=finish)
+
+    def broadcast_(self, tensors: Iterable[Any], src: int = 0) -> None:
+        """Copy src's tensors (e.g. ``model.parameters()`` or ``model.state_dict().values()``)
+        to every rank, in place. Accepts (name, tensor) pairs too."""
+        with torch.no_grad():
+            tensors = [t for _, t in _named(tensors)]
+            works = []
+            for t in tensors:
+                buf = t.detach() if t.is_contiguous() else t.detach().contiguous()
+                works.append((t, buf, self.backend.broadcast(buf.view(-1), src)))
+            for t, buf, work in works:
+                work.wait()
+                if buf.data_ptr() != t.data_ptr():
+                    t.copy_(buf)
+
+    # ---- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Step, config and the strategy's state (error-feedback residuals, auto's choices)."""
+        return {"version": 1, "step": self.step, "config": self.config(), "strategy": self.strategy.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unknown GradientExchanger state version {state.get('version')!r}")
+        if state["config"] != self.config():
+            raise ValueError(f"state was saved by an exchanger with {state['config']}, this one has {self.config()}")
+        self.strategy.load_state_dict(state["strategy"])
+        self.step = int(state["step"])
