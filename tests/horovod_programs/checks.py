@@ -1,0 +1,267 @@
+"""Checks of gradwire.hooks.horovod on a real Horovod job (horovodrun or mpiexec, 2+ ranks).
+
+Run as ``horovodrun -np 2 python checks.py [name ...]``. Each rank prints
+``CHECK <name> OK rank=<r> <seconds>s`` after a check passes there. A failing check prints
+``CHECK <name> FAILED rank=<r>`` and its traceback to stderr, then ends the rank at once
+(its peers may be blocked in a collective that will never match; the launcher stops them).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import horovod.torch as hvd  # noqa: E402
+
+from gradwire.hooks import horovod as gwh  # noqa: E402
+
+CHECKS = []
+STEPS = 30
+LR = 0.1
+
+# One spec of each compressor; (spec, error_feedback, loss bound relative to the start).
+SPECS = [
+    ("none", True, 0.2), ("fp16", True, 0.2), ("bf16", True, 0.2), ("fp8", True, 0.2),
+    ("int8", True, 0.2), ("qsgd:bits=4", True, 0.2), ("terngrad", True, 0.25), ("sign", True, 0.25),
+    ("onebit", True, 0.25), ("topk:ratio=0.1", True, 0.25), ("randomk:ratio=0.2", False, 0.25),
+    ("threshold:threshold=0.01", True, 0.25), ("dgc:ratio=0.1", True, 0.25),
+    ("topk:ratio=0.1+fp16", True, 0.25), ("zstd", True, 0.2),
+]
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def make_model(seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+TEACHER = 0.3 * torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
+EVAL_X = torch.randn(256, 16, generator=torch.Generator().manual_seed(8))
+EVAL_Y = torch.tanh(EVAL_X @ TEACHER)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch: different on every rank, the same on every run."""
+    g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+    x = torch.randn(32, 16, generator=g)
+    return x, torch.tanh(x @ TEACHER)
+
+
+def eval_loss(model: nn.Module) -> float:
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(EVAL_X), EVAL_Y).item()
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def assert_same_on_all_ranks(t: torch.Tensor, what: str) -> None:
+    gathered = hvd.allgather(t.reshape(1, -1), name=f"check.same.{what}")
+    for r in range(hvd.size()):
+        assert torch.equal(gathered[r], gathered[0]), f"{what}: rank {r} differs from rank 0"
+
+
+def gw_optimizer(model: nn.Module, spec: str, error_feedback: bool = True, **kw) -> gwh.DistributedOptimizer:
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+    return gwh.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=spec,
+                                    error_feedback=error_feedback, **kw)
+
+
+@check
+def controller():
+    """The job runs under the controller the launcher asked for (GRADWIRE_EXPECT_CONTROLLER)."""
+    want = os.environ.get("GRADWIRE_EXPECT_CONTROLLER")
+    got = "gloo" if hvd.gloo_enabled() else "mpi" if hvd.mpi_enabled() else "?"
+    assert hvd.size() >= 2, f"needs 2+ ranks, got {hvd.size()}"
+    assert want in (None, got), f"controller is {got}, expected {want}"
+
+
+# ---- Compression (Horovod's own optimizer) ----------------------------------------------------
+@check
+def compression_fp16_matches_horovod_fp16():
+    results = []
+    for compression in (hvd.Compression.fp16, gwh.Compression("fp16")):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        train(model, opt, 10)
+        results.append(flat_params(model))
+    assert torch.equal(results[0], results[1]), "gradwire fp16 differs from hvd.Compression.fp16"
+    assert_same_on_all_ranks(results[1], "compression_fp16")
+
+
+@check
+def compression_summable_specs_train():
+    for spec in ("none", "bf16", "randomk:ratio=0.5", "randomk:ratio=0.5+bf16"):
+        model = make_model()
+        before = eval_loss(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=gwh.Compression(spec))
+        train(model, opt, STEPS)
+        after = eval_loss(model)
+        assert after < 0.8 * before, f"{spec}: loss {before:.4f} -> {after:.4f}"
+        assert_same_on_all_ranks(flat_params(model), f"compression.{spec}")
+
+
+@check
+def compression_rejects_non_summable():
+    for spec in ("topk:ratio=0.1", "qsgd:bits=4", "fp16+zstd"):
+        try:
+            gwh.Compression(spec)
+        except ValueError as e:
+            assert "DistributedOptimizer" in str(e), str(e)
+        else:
+            raise AssertionError(f"Compression({spec!r}) did not raise")
+
+
+# ---- DistributedOptimizer -----------------------------------------------------------------
+@check
+def every_compressor_trains():
+    report, finals = [], {}
+    for spec, ef, bound in SPECS:
+        model = make_model()
+        opt = gw_optimizer(model, spec, ef)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        before = eval_loss(model)
+        train(model, opt, STEPS)
+        after = eval_loss(model)
+        report.append(f"{spec}: {before:.4f} -> {after:.4f}")
+        assert after < bound * before, f"{spec}: loss {before:.4f} -> {after:.4f} (bound {bound} x start)"
+        finals[spec] = flat_params(model)
+        assert_same_on_all_ranks(finals[spec], f"params.{spec}")
+    for spec in finals:  # lossy ones really compressed; lossless ones are exact
+        assert torch.equal(finals[spec], finals["none"]) == (spec in ("none", "zstd")), spec
+    if hvd.rank() == 0:
+        print("\n".join(report), file=sys.stderr, flush=True)
+
+
+@check
+def matches_horovod_fp16_without_feedback():
+    """fp16 through gradwire's optimizer (no feedback) is Horovod's fp16 allreduce."""
+    results = []
+    for make in (lambda m, o: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters(),
+                                                       compression=hvd.Compression.fp16),
+                 lambda m, o: gwh.DistributedOptimizer(o, named_parameters=m.named_parameters(),
+                                                       compression="fp16", error_feedback=False)):
+        model = make_model()
+        opt = make(model, torch.optim.SGD(model.parameters(), lr=LR))
+        train(model, opt, 10)
+        results.append(flat_params(model))
+    assert torch.equal(results[0], results[1]), "gradwire DistributedOptimizer fp16 differs from Horovod's"
+
+
+@check
+def resume_continues_identically():
+    for spec, ef in (("topk:ratio=0.1", True), ("dgc:ratio=0.1", True), ("randomk:ratio=0.2", False),
+                     ("qsgd:bits=4", True)):
+        model = make_model()
+        opt = gw_optimizer(model, spec, ef)
+        train(model, opt, 12)
+        straight = flat_params(model)
+
+        model = make_model()
+        opt = gw_optimizer(model, spec, ef)
+        train(model, opt, 6)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        saved = opt.state_dict()["gradwire"]
+        if ef:
+            assert saved["feedback"]["residuals"], f"{spec}: no residuals saved"
+        buf.seek(0)
+        ckpt = torch.load(buf)
+        model = make_model(seed=99)  # different init: everything must come from the checkpoint
+        opt = gw_optimizer(model, spec, ef)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        hvd.broadcast_optimizer_state(opt, root_rank=0)  # non-empty state: no extra step
+        train(model, opt, 6, start=6)
+        assert torch.equal(flat_params(model), straight), f"{spec}: resumed run differs"
+        if ef:  # and losing the residuals does change the result
+            model = make_model()
+            opt = gw_optimizer(model, spec, ef)
+            model.load_state_dict(ckpt["model"])
+            sd = dict(ckpt["opt"])
+            del sd["gradwire"]
+            opt.load_state_dict(sd)
+            train(model, opt, 6, start=6)
+            assert not torch.equal(flat_params(model), straight), f"{spec}: residuals had no effect"
+
+
+@check
+def accumulation_and_skip_synchronize():
+    model = make_model()
+    opt = gw_optimizer(model, "topk:ratio=0.1", backward_passes_per_step=2)
+    before = eval_loss(model)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for half in range(2):
+            x, y = batch(2 * step + half)
+            (nn.functional.mse_loss(model(x), y) / 2).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        with opt.skip_synchronize():
+            opt.step()
+    after = eval_loss(model)
+    assert after < 0.6 * before, f"loss {before:.4f} -> {after:.4f}"
+    assert_same_on_all_ranks(flat_params(model), "accumulation")
+
+
+@check
+def unused_parameter_and_sum_op():
+    model = make_model()
+    extra = nn.Linear(4, 4)  # never used in the forward pass
+    params = list(model.named_parameters()) + [("extra." + n, p) for n, p in extra.named_parameters()]
+    opt = torch.optim.SGD([p for _, p in params], lr=LR / hvd.size())
+    opt = gwh.DistributedOptimizer(opt, named_parameters=params, compression="int8", op=hvd.Sum)
+    train(model, opt, 5)
+    assert extra.weight.grad is not None and not extra.weight.grad.any()
+    assert_same_on_all_ranks(flat_params(model), "sum_op")
+
+
+def main() -> None:
+    hvd.init()
+    torch.set_num_threads(1)
+    rank = hvd.rank()
+    print(f"PID rank={rank} {os.getpid()}", flush=True)
+    wanted = set(sys.argv[1:])
+    for fn in CHECKS:
+        if wanted and fn.__name__ not in wanted:
+            continue
+        t0 = time.monotonic()
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - report, then end the rank at once
+            sys.stderr.write(f"CHECK {fn.__name__} FAILED rank={rank}\n{traceback.format_exc()}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
+        print(f"CHECK {fn.__name__} OK rank={rank} {time.monotonic() - t0:.1f}s", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
