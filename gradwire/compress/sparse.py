@@ -1,1 +1,581 @@
-"""Sparsifiers (placeholder until written)."""
+"""Sparsifiers: `topk`, `randomk`, `threshold`, `dgc` (codec ids 6-9, role "sparse").
+
+Packet: an index section -- INDICES (raw ascending int32, int64 when numel >= 2**31) or
+INDICES_PACKED (uint8, see `indexcodec`) -- then VALUES (the kept elements, input dtype);
+`randomk` adds a SENTINEL (one float32: 0, or NaN when the input held NaN/Inf). Decode
+validates counts, order, range and the packed layout before it allocates the output,
+then scatters the values into zeros.
+
+Selection works on *magnitude keys*: an element's bits with the sign cleared, read as an
+integer. Keys order like |x| and put NaN above Inf (every NaN is clamped to one key),
+so NaN/Inf are the largest magnitudes and always survive `topk`/`dgc`.
+
+Fast top-k (no full-tensor `torch.topk`): the k-th largest key of a strided sample
+(every 97th run of 16 elements: >= 1% of the tensor, 1% of its memory traffic), with a
+statistical margin, gives a threshold key. Two one-sided compares straight from the
+input's integer views (no temporary copy; into per-thread reusable byte masks) mark the
+candidates ``|x| >= t`` or NaN; they are located eight at a time through an int64 view of
+the masks (`nonzero` over 8x fewer words, then within the few words that hold one). The
+exact k are then chosen among the ~1.1k candidates by the k-th largest key (a partial
+sort), ties going to the lowest index, and come out ascending without a sort. Too few
+candidates lowers the threshold and retries; the last resort is every element, so the
+result is always exact.
+
+CPU tensors run all of this in NumPy on views of the tensor's memory: NumPy's compares
+are about twice as fast as torch's per thread here, and every multi-threaded torch op on
+1e5-1e6 elements waits for its OpenMP barrier, which costs a scheduler slice (~10 ms
+rather than ~0.1 ms) whenever the cores are oversubscribed. Other devices use the
+equivalent torch ops (float compares ``x < t``, ``x > -t`` for float32).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+from ..errors import WireFormatError
+from . import indexcodec, rng, wire
+from .base import Compressor, Ctx, Param
+from .registry import register
+from .wire import Kind, Packet, Section
+
+# ---- magnitude keys -------------------------------------------------------------------
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+_MAG_MASK = {torch.float32: 0x7FFFFFFF, torch.float16: 0x7FFF, torch.bfloat16: 0x7FFF}
+_INF_KEY = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+_NP_INT = {torch.int32: np.int32, torch.int16: np.int16, torch.int64: np.int64}
+_NP_UINT = {np.dtype(np.int32): np.uint32, np.dtype(np.int16): np.uint16}
+_SIGN = {torch.float32: 1 << 31, torch.float16: 1 << 15, torch.bfloat16: 1 << 15}
+_ONES8 = 0x0101010101010101  # one True byte in each lane of an int64 word of bools
+_SMALL = 1 << 15  # below this many elements, select exactly among all of them
+_TOPK_STRIDE = 97  # prime stride: a >= 1% sample that no small period aliases with
+_DGC_MIN_SAMPLE = 1024
+_PACK_MIN = 64
+
+
+def _keys_of(ints, dtype: torch.dtype):
+    """Magnitude keys (int32) of the integer views of some elements (a tensor, or a NumPy
+    array on the host path); NaN -> Inf + 1."""
+    if isinstance(ints, np.ndarray):
+        keys = (ints & _MAG_MASK[dtype]).astype(np.int32, copy=False)
+        return np.minimum(keys, _INF_KEY[dtype] + 1, out=keys)
+    keys = torch.bitwise_and(ints, _MAG_MASK[dtype])
+    if keys.dtype != torch.int32:
+        keys = keys.to(torch.int32)
+    return keys.clamp_(max=_INF_KEY[dtype] + 1)
+
+
+def _key_value(key: int, dtype: torch.dtype) -> float:
+    """The (non-negative) value whose magnitude key is `key`."""
+    return float(torch.tensor([key], dtype=_INT_VIEW[dtype]).view(dtype)[0])
+
+
+def _ceil_key(t: float, dtype: torch.dtype) -> int:
+    """Smallest key whose value is >= t (t > 0): |x| >= t  <=>  key(x) >= this (NaN aside)."""
+    v = torch.tensor([t], dtype=torch.float64).to(dtype)
+    key = int(v.view(_INT_VIEW[dtype])[0]) & _MAG_MASK[dtype]
+    return key + 1 if float(v[0]) < t else key
+
+
+class _Scratch(threading.local):
+    """Per-thread reusable byte masks for CPU candidate passes.
+
+    A fresh multi-megabyte tensor costs a page fault per 4 KiB on first touch, more than
+    the compare that fills it; two masks of the largest tensor seen (2 bytes/element)
+    are kept per thread instead. `release_scratch()` frees them.
+    """
+
+    buf: torch.Tensor | None = None
+
+    def masks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.buf is None or self.buf.numel() < 2 * n:
+            self.buf = None
+            self.buf = torch.empty(2 * n, dtype=torch.bool)
+        return self.buf[:n], self.buf[n: 2 * n]
+
+
+_scratch = _Scratch()
+
+
+def release_scratch() -> None:
+    """Free this thread's cached candidate masks."""
+    _scratch.buf = None
+
+
+def _masks(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if device.type == "cpu":
+        return _scratch.masks(n)
+    return (torch.empty(n, dtype=torch.bool, device=device), torch.empty(n, dtype=torch.bool, device=device))
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    """CPU tensors take the NumPy path (see the module docstring)."""
+    return t.device.type == "cpu"
+
+
+def _ints(flat: torch.Tensor) -> torch.Tensor:
+    return flat.view(_INT_VIEW[flat.dtype])
+
+
+def _candidates(flat: torch.Tensor, key: int) -> torch.Tensor:
+    """Ascending int64 indices of the elements whose magnitude key is >= key (NaN included)."""
+    n = flat.numel()
+    dev = flat.device
+    if key <= 0:
+        return torch.arange(n, device=dev)
+    nw = -(-n // 8)
+    hit, other = _masks(nw * 8, dev)
+    if _on_host(flat):
+        # Two one-sided integer compares, no temporary: as signed ints the positive
+        # elements with key >= `key` are exactly those >= key; as unsigned ints the negative
+        # ones are exactly those >= sign bit + key. NaN of either sign has the largest key.
+        ints = _ints(flat).numpy()
+        h, o = hit.numpy(), other.numpy()
+        np.greater_equal(ints, key, out=h[:n])
+        np.greater_equal(ints.view(_NP_UINT[ints.dtype]), _SIGN[flat.dtype] + key, out=o[:n])
+        h[n:] = False
+        o[n:] = False
+        # Find candidate bytes eight at a time: first the int64 words holding one (a scan of
+        # n/8 words), then the bytes within those words.
+        words = h.view(np.int64)
+        np.bitwise_or(words, o.view(np.int64), out=words)
+        w = np.flatnonzero(words != 0)
+        j = np.flatnonzero(words[w].view(np.bool_))  # bytes are 0/1; NumPy scans bool fastest
+        return torch.from_numpy((w[j >> 3] << 3) | (j & 7))
+    if flat.dtype == torch.float32 and key <= _INF_KEY[torch.float32]:
+        # Two compares straight from the input (no 4-byte temporary): an element is *not* a
+        # candidate iff x < t and x > -t; NaN fails both, so it is one.
+        t = _key_value(key, flat.dtype)
+        torch.lt(flat, t, out=hit[:n])
+        torch.gt(flat, -t, out=other[:n])
+        hit[n:] = True
+        other[n:] = True
+        words = hit.view(torch.int64).bitwise_and_(other.view(torch.int64))
+        w = torch.nonzero(torch.ne(words, _ONES8)).view(-1)
+        sub = torch.index_select(words, 0, w).bitwise_xor_(_ONES8)
+    else:
+        torch.ge(torch.bitwise_and(_ints(flat), _MAG_MASK[flat.dtype]), key, out=hit[:n])
+        hit[n:] = False
+        words = hit.view(torch.int64)
+        w = torch.nonzero(words).view(-1)
+        sub = torch.index_select(words, 0, w)
+    j = torch.nonzero(sub.view(torch.bool)).view(-1)
+    return torch.index_select(w, 0, j >> 3).mul_(8).add_(j & 7)
+
+
+def _kth_largest(keys, r: int) -> int:
+    """The r-th largest entry of keys (a tensor or a NumPy array), r clamped to [1, len]."""
+    m = keys.shape[0]
+    r = max(1, min(r, m))
+    if isinstance(keys, np.ndarray):
+        return int(np.partition(keys, m - r)[m - r])
+    return int(torch.kthvalue(keys, m - r + 1).values)
+
+
+def _select(keys, k: int):
+    """Mask of the k largest of `keys` (in index order), ties to the lowest; None: all of them."""
+    c = keys.shape[0]
+    if c <= k:
+        return None
+    v = _kth_largest(keys, k)
+    keep = keys >= v
+    if isinstance(keys, np.ndarray):
+        extra = int(np.count_nonzero(keep)) - k
+        if extra:  # ties at v straddle the cut: keep the first of them
+            eq = keys == v
+            keep = (keys > v) | (eq & (np.cumsum(eq) <= int(np.count_nonzero(eq)) - extra))
+        return keep
+    extra = int(torch.count_nonzero(keep)) - k
+    if extra:
+        eq = keys == v
+        keep = (keys > v) | (eq & (torch.cumsum(eq, 0) <= int(torch.count_nonzero(eq)) - extra))
+    return keep
+
+
+def _gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """flat[idx] as a new tensor."""
+    if _on_host(flat):
+        return torch.from_numpy(_ints(flat).numpy()[idx.numpy()]).view(flat.dtype)
+    return torch.index_select(flat, 0, idx)
+
+
+def _pick(flat: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact top k among candidate indices: (ascending indices, their values)."""
+    if _on_host(flat):
+        ix = idx.numpy()
+        vals = _ints(flat).numpy()[ix]
+        keep = _select(_keys_of(vals, flat.dtype), k)
+        if keep is not None:
+            ix, vals = ix[keep], vals[keep]
+        return torch.from_numpy(ix), torch.from_numpy(vals).view(flat.dtype)
+    vals = torch.index_select(flat, 0, idx)
+    keep = _select(_keys_of(vals.view(_INT_VIEW[flat.dtype]), flat.dtype), k)
+    if keep is None:
+        return idx, vals
+    return torch.masked_select(idx, keep), torch.masked_select(vals, keep)
+
+
+def _sample_keys(flat: torch.Tensor, stride: int):
+    """Keys of every stride-th run of 16 elements (one 64-byte line of fp32), so a 1%
+    sample reads 1% of the memory instead of one line per sampled element."""
+    ints = _ints(flat).numpy() if _on_host(flat) else _ints(flat)
+    rows = flat.numel() // 16
+    if rows >= 64 * stride:
+        ints = ints[: rows * 16].reshape(rows, 16)[::stride].reshape(-1)
+    else:
+        ints = ints[::stride]
+    return _keys_of(ints, flat.dtype)
+
+
+def _everything(flat: torch.Tensor) -> torch.Tensor:
+    return torch.arange(flat.numel(), device=flat.device)
+
+
+def _trivial(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    n = flat.numel()
+    if k >= n:
+        return _everything(flat), flat.clone()
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=flat.device), flat[:0].clone()
+    if n <= _SMALL:
+        return _pick(flat, _everything(flat), k)
+    return None
+
+
+def topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ascending int64 indices, values) of the k largest |flat|; NaN > Inf > finite,
+    ties to the lowest index. `flat` is 1-D and contiguous."""
+    flat = flat.detach()
+    done = _trivial(flat, k)
+    if done is not None:
+        return done
+    n = flat.numel()
+    skeys = _sample_keys(flat, _TOPK_STRIDE)
+    m = skeys.shape[0]
+    expect = k * m / n
+    # Margin: P(fewer than k candidates) ~ 3e-5 for iid data; a miss only costs a retry.
+    r = math.ceil(expect + 4.0 * math.sqrt(expect) + 4.0)
+    while True:
+        idx = _candidates(flat, _kth_largest(skeys, r))
+        if idx.numel() >= k:
+            return _pick(flat, idx, k)
+        if r >= m:  # even the smallest sampled magnitude was too high
+            return _pick(flat, _everything(flat), k)
+        r *= 4
+
+
+def _dgc(flat: torch.Tensor, k: int, sample_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = flat.detach()
+    done = _trivial(flat, k)
+    if done is not None:
+        return done
+    n = flat.numel()
+    m_want = max(_DGC_MIN_SAMPLE, math.ceil(sample_ratio * n))
+    skeys = _sample_keys(flat, max(1, n // m_want))
+    m = skeys.shape[0]
+    expect = k * m / n
+    key = _kth_largest(skeys, math.ceil(expect + 2.0 * math.sqrt(expect)))
+    dtype = flat.dtype
+    for _ in range(11):
+        idx = _candidates(flat, key)
+        if idx.numel() >= k:  # enough (DGC's > 1.3k case included): the exact top k of them
+            return _pick(flat, idx, k)
+        if key <= 0:
+            break
+        # Too few: lower the threshold to 0.8x (DGC), at least one representable step.
+        if key > _INF_KEY[dtype]:
+            key = _INF_KEY[dtype]
+        elif key == _INF_KEY[dtype]:
+            key -= 1
+        else:
+            key = min(key - 1, _ceil_key(_key_value(key, dtype) * 0.8, dtype))
+    return _pick(flat, _everything(flat), k)
+
+
+def _count_from(ratio: float, k: int | None, numel: int) -> int:
+    if numel <= 0:
+        return 0
+    if k is not None:
+        return min(numel, k)
+    # ceil(ratio * numel) on the ratio's decimal spelling, so float noise
+    # (0.07 * 100 == 7.000000000000001) never adds an element.
+    return min(numel, max(1, math.ceil(Fraction(repr(ratio)) * numel)))
+
+
+def _sentinel(flat: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32 tensor: 0 when flat is all finite, NaN otherwise (one read pass)."""
+    if flat.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=flat.device)
+    lo, hi = torch.aminmax(flat)
+    return (lo.float() * 0).add_(hi.float() * 0)
+
+
+# ---- compressors ---------------------------------------------------------------------
+_RATIO = Param("ratio", float, 0.01, lambda v: 0.0 < v <= 1.0, "0 < ratio <= 1")
+_K = Param("k", int, None, lambda v: v >= 1, "k >= 1; overrides ratio")
+_INDICES = Param("indices", str, "auto", lambda v: v in ("auto", "raw", "packed"), "auto, raw or packed")
+
+
+class _Sparse(Compressor):
+    role = "sparse"
+    _sentinel = False  # randomk: a SENTINEL section follows VALUES
+
+    # ---- sizes --------------------------------------------------------------------
+    def value_count(self, numel: int) -> int | None:
+        """Elements kept for a tensor of `numel` elements, None when data-dependent."""
+        return _count_from(self.ratio, self.k, numel)
+
+    def _section_sizes(self, numel: int, dtype: torch.dtype) -> list[int] | None:
+        k = self.value_count(numel)
+        if k is None or self.indices != "raw":
+            return None
+        isz = torch.empty((), dtype=indexcodec.raw_dtype(numel)).element_size()
+        sizes = [k * isz, k * torch.empty((), dtype=dtype).element_size()]
+        return sizes + [4] if self._sentinel else sizes
+
+    # ---- encode -------------------------------------------------------------------
+    def _index_section(self, idx: torch.Tensor, numel: int) -> Section:
+        mode = self.indices
+        raw_dt = indexcodec.raw_dtype(numel)
+        # auto: pack when that is smaller; below 64 indices (<= 256 raw bytes) keep raw and
+        # skip the packing work (a small tensor is latency-bound, not bandwidth-bound).
+        if mode == "packed" or (mode == "auto" and idx.numel() >= _PACK_MIN):
+            packed = indexcodec.encode(idx, numel)
+            raw_bytes = idx.numel() * torch.empty((), dtype=raw_dt).element_size()
+            if mode == "packed" or wire.align(packed.numel()) < wire.align(raw_bytes):
+                return Section(Kind.INDICES_PACKED, packed)
+        if _on_host(idx):
+            return Section(Kind.INDICES, torch.from_numpy(idx.numpy().astype(_NP_INT[raw_dt])))
+        return Section(Kind.INDICES, idx.to(raw_dt))
+
+    def _sections(self, numel: int, idx: torch.Tensor, values: torch.Tensor) -> list[Section]:
+        return [self._index_section(idx, numel), Section(Kind.VALUES, values)]
+
+    # ---- decode -------------------------------------------------------------------
+    def _check(self, pk: Packet) -> None:
+        want = 3 if self._sentinel else 2
+        kinds = pk.kinds()
+        if len(kinds) != want:
+            raise WireFormatError(f"{self.name}: expected {want} sections, packet has "
+                                  f"[{', '.join(k.name for k in kinds)}]")
+        isec, vsec = pk.sections[0], pk.sections[1]
+        allowed = {"raw": (Kind.INDICES,), "packed": (Kind.INDICES_PACKED,)}.get(
+            self.indices, (Kind.INDICES, Kind.INDICES_PACKED))
+        if isec.kind not in allowed:
+            raise WireFormatError(f"{self.name}: first section is {isec.kind.name}, expected "
+                                  f"{' or '.join(k.name for k in allowed)} (indices={self.indices})")
+        if vsec.kind != Kind.VALUES:
+            raise WireFormatError(f"{self.name}: second section is {vsec.kind.name}, expected VALUES")
+        values = vsec.data
+        if values.dtype != pk.dtype:
+            raise WireFormatError(f"{self.name}: VALUES dtype {values.dtype} is not the tensor dtype {pk.dtype}")
+        count = values.numel()
+        numel = pk.numel
+        k = self.value_count(numel)
+        if k is not None and count != k:
+            raise WireFormatError(f"{self.name}: VALUES count {count} does not match k={k} "
+                                  f"for {numel} elements ({self})")
+        if count > numel:
+            raise WireFormatError(f"{self.name}: VALUES count {count} exceeds numel {numel}")
+        if isec.kind == Kind.INDICES:
+            idx = isec.data
+            want_dt = indexcodec.raw_dtype(numel)
+            if idx.dtype != want_dt:
+                raise WireFormatError(f"{self.name}: INDICES dtype {idx.dtype}, expected {want_dt} for numel {numel}")
+            if idx.numel() != count:
+                raise WireFormatError(f"{self.name}: INDICES count {idx.numel()} != VALUES count {count}")
+            self._check_indices(idx, numel)
+        else:
+            indexcodec.check(isec.data, count)
+        if self._sentinel:
+            s = pk.sections[2]
+            if s.kind != Kind.SENTINEL or s.data.dtype != torch.float32 or s.data.numel() != 1:
+                raise WireFormatError(f"{self.name}: third section must be a SENTINEL of one float32, got "
+                                      f"{s.kind.name} {s.data.dtype} x{s.data.numel()}")
+
+    def _check_indices(self, idx: torch.Tensor, numel: int) -> None:
+        """Ascending, unique and in range (raises WireFormatError)."""
+        if idx.numel() == 0:
+            return
+        first, last = int(idx[0]), int(idx[-1])
+        if first < 0:
+            raise WireFormatError(f"{self.name}: INDICES has a negative index {first}")
+        if last >= numel:
+            raise WireFormatError(f"{self.name}: INDICES index {last} is out of range for {numel} elements")
+        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise WireFormatError(f"{self.name}: INDICES are not strictly ascending")
+
+    def _indices(self, pk: Packet) -> torch.Tensor:
+        isec = pk.sections[0]
+        count = pk.sections[1].data.numel()
+        if isec.kind == Kind.INDICES:
+            return isec.data.to(torch.int64)
+        idx = indexcodec.decode(isec.data, count, pk.numel)
+        self._check_indices(idx, pk.numel)
+        return idx
+
+    def _decode(self, pk: Packet) -> torch.Tensor:
+        idx = self._indices(pk)  # validated before the output exists
+        values = pk.sections[1].data
+        out = torch.zeros(pk.numel, dtype=pk.dtype, device=values.device)
+        return out.index_copy_(0, idx, values)
+
+
+class _FixedK(_Sparse):
+    def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
+        idx, values = self._select(flat, self.value_count(flat.numel()), ctx)
+        return self._sections(flat.numel(), idx, values)
+
+    def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ascending int64 indices, their values as a new tensor)."""
+        raise NotImplementedError
+
+
+@register
+class TopK(_FixedK):
+    """The k largest magnitudes, exactly (NaN/Inf count as largest; ties to the lowest index).
+
+    k = min(numel, max(1, ceil(ratio * numel))), or the `k` parameter when given.
+    """
+
+    name = "topk"
+    codec_id = 6
+    params = (_RATIO, _K, _INDICES)
+
+    def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        return topk(flat, k)
+
+
+@register
+class DGC(_FixedK):
+    """Deep Gradient Compression's selection (Lin et al., 2018), made to send exactly k.
+
+    The threshold is the top-`ratio` magnitude of a strided `sample_ratio` sample (at
+    least 1024 elements); if fewer than k elements pass it, it is lowered to 0.8x (up to
+    10 times, then every element competes); the exact k largest of those that pass are
+    sent (ties to the lowest index). Deterministic: the sample is strided, not random.
+    """
+
+    name = "dgc"
+    codec_id = 9
+    params = (_RATIO, _K, Param("sample_ratio", float, 0.01, lambda v: 0.0 < v <= 1.0, "0 < sample_ratio <= 1"),
+              _INDICES)
+
+    def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        return _dgc(flat, k, self.sample_ratio)
+
+
+@register
+class Threshold(_Sparse):
+    """Every element with |x| >= threshold (NaN too); the count varies with the data."""
+
+    name = "threshold"
+    codec_id = 8
+    params = (Param("threshold", float, 1e-3, lambda v: v > 0.0, "threshold > 0"), _INDICES)
+
+    def value_count(self, numel: int) -> int | None:
+        return None
+
+    def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
+        idx = _candidates(flat, _ceil_key(self.threshold, flat.dtype))
+        return self._sections(flat.numel(), idx, _gather(flat, idx))
+
+
+@register
+class RandomK(_FixedK):
+    """k random elements, one per stratum, scaled by the stratum length (unbiased).
+
+    The tensor is cut into k strata ``[floor(i*n/k), floor((i+1)*n/k))``; stratum i sends
+    one uniformly chosen element, decoded as ``value * len_i``, so E[decode] = x. The
+    choice depends on (seed, step, key) but not on the rank, so every rank picks the same
+    indices and payloads are summable. VALUES hold the unscaled elements; the SENTINEL is
+    0, or NaN when the input held NaN/Inf, and is added (times 0) to the whole decoded
+    tensor so an overflow is never hidden by sampling.
+    """
+
+    name = "randomk"
+    codec_id = 7
+    params = (_RATIO, _K, _INDICES)
+    stochastic = True
+    summable = True
+    _sentinel = True
+
+    @staticmethod
+    def _strata(numel: int, k: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(start, length) of each of the k strata, int64."""
+        if k == 0:
+            empty = torch.empty(0, dtype=torch.int64, device=device)
+            return empty, empty
+        q, r = divmod(numel, k)
+        i = torch.arange(k + 1, dtype=torch.int64, device=device)
+        edges = i * q + (i * r) // k
+        return edges[:-1], edges[1:] - edges[:-1]
+
+    def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self._sample(flat.numel(), k, ctx, flat.device)
+        return idx, _gather(flat, idx)
+
+    def _sample(self, numel: int, k: int, ctx: Ctx, device: torch.device | str) -> torch.Tensor:
+        if k == 0:
+            return torch.empty(0, dtype=torch.int64, device=device)
+        start, length = self._strata(numel, k, device)
+        key = rng.stream_key(ctx.seed, ctx.step, 0, ctx.key, stream=self.codec_id)  # rank-free: summable
+        if -(-numel // k) < 1 << 24:
+            off = rng.randbelow(key, length)
+        else:  # strata longer than 2**24: floor(u48 * len / 2**48) from two 24-bit draws
+            hi = rng.bits24(key, k, device).to(torch.int64)
+            lo = rng.bits24(key, k, device, start=k).to(torch.int64)
+            off = (hi * length + ((lo * length) >> 24)) >> 24
+        return start.add_(off)
+
+    def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
+        sections = super()._encode(flat, ctx)
+        return sections + [Section(Kind.SENTINEL, _sentinel(flat).reshape(1))]
+
+    def _check_indices(self, idx: torch.Tensor, numel: int) -> None:
+        k = idx.numel()
+        if k == 0:
+            return
+        start, length = self._strata(numel, k, idx.device)
+        off = idx.to(torch.int64) - start
+        if not bool(((off >= 0) & (off < length)).all()):
+            raise WireFormatError(f"{self.name}: INDICES are not one per stratum "
+                                  f"(out of range, out of order or forged)")
+
+    def _scatter(self, idx: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype,
+                 nonfinite: torch.Tensor) -> torch.Tensor:
+        k = idx.numel()
+        out = torch.zeros(numel, dtype=dtype, device=values.device)
+        if k:
+            _, length = self._strata(numel, k, values.device)
+            out.index_copy_(0, idx, (values.to(torch.float32) * length).to(dtype))
+        # 0 * sentinel: NaN everywhere when any rank's input held NaN/Inf.
+        if nonfinite.is_cuda or not bool(torch.isfinite(nonfinite).all()):
+            out.add_((nonfinite.float() * 0).to(dtype))
+        return out
+
+    def _decode(self, pk: Packet) -> torch.Tensor:
+        idx = self._indices(pk)
+        return self._scatter(idx, pk.sections[1].data, pk.numel, pk.dtype, pk.sections[2].data[0])
+
+    # ---- summable --------------------------------------------------------------------
+    def to_summable(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
+        """The k sampled (unscaled) elements; all NaN when x held NaN/Inf."""
+        ctx = ctx if ctx is not None else Ctx()
+        flat = x.detach().reshape(-1)
+        k = self.value_count(flat.numel())
+        vals = torch.index_select(flat, 0, self._sample(flat.numel(), k, ctx, flat.device))
+        return vals.add_(_sentinel(flat).to(vals.dtype))
+
+    def from_summable(self, payload: torch.Tensor, like: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
+        ctx = ctx if ctx is not None else Ctx()
+        numel = like.numel()
+        k = self.value_count(numel)
+        if payload.dim() != 1 or payload.numel() != k:
+            raise ValueError(f"{self.name}: summable payload has shape {tuple(payload.shape)}, expected ({k},)")
+        idx = self._sample(numel, k, ctx, payload.device)
+        return self._scatter(idx, payload, numel, like.dtype, _sentinel(payload)).reshape(like.shape)
