@@ -1,6 +1,9 @@
 """Alpha-beta cost model and the `auto` strategy that chooses by it.
 
-A collective of n bytes over P ranks is modelled with ring algorithms:
+Compression is not free, so each candidate's modelled time also counts its encode and
+decode work: seconds per element measured on a probe tensor at start-up (`gamma_encode`,
+`gamma_decode`; allgather decodes P packets). A collective of n bytes over P ranks is
+modelled with ring algorithms:
 allreduce ``2(P-1)·alpha + 2(P-1)/P · n · beta``, allgather of m bytes each
 ``(P-1)·alpha + (P-1) · m · beta``, broadcast ``ceil(log2 P)·(alpha + n·beta)``.
 alpha (s) and beta (s/byte) are measured once at start-up, then averaged over ranks so
@@ -65,6 +68,24 @@ def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int 
     return CostModel(alpha, beta)
 
 
+def measure_compute(backend: Backend, c: Compressor, numel: int = 1 << 20, repeat: int = 3) -> tuple[float, float]:
+    """Seconds per element to encode and to decode with c, averaged over ranks (so all agree)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    packet = c.encode(x).tensor()
+    t_enc = min(_timed(lambda: c.encode(x).tensor()) for _ in range(repeat))
+    t_dec = min(_timed(lambda: c.decode(packet)) for _ in range(repeat))
+    agreed = torch.tensor([t_enc / numel, t_dec / numel], dtype=torch.float64)
+    backend.allreduce(agreed).wait()
+    enc, dec = (agreed / backend.world_size).tolist()
+    return enc, dec
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def estimated_packet_bytes(c: Compressor, numel: int, dtype: torch.dtype) -> int | None:
     """Packet size from numel alone (identical on every rank), or None if data-dependent
     with no estimate."""
@@ -88,13 +109,18 @@ class Auto(Strategy):
     name = "auto"
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
-                 alpha: float | None = None, beta: float | None = None) -> None:
+                 alpha: float | None = None, beta: float | None = None,
+                 gamma_encode: float | None = None, gamma_decode: float | None = None) -> None:
         super().__init__(backend, compressor, error_feedback=False)
         if (alpha is None) != (beta is None):
             raise ValueError("give both alpha and beta to override the measured cost model, or neither")
+        if (gamma_encode is None) != (gamma_decode is None):
+            raise ValueError("give both gamma_encode and gamma_decode, or neither")
         self.model = CostModel(alpha, beta) if alpha is not None else measure(backend)  # type: ignore[arg-type]
-        log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s)", self.model.alpha, self.model.beta,
-                 1e-9 / self.model.beta)
+        self.gamma = (gamma_encode, gamma_decode) if gamma_encode is not None else \
+            measure_compute(backend, self.compressor)  # type: ignore[assignment]
+        log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s), encode %.3g s/elem, decode %.3g s/elem",
+                 self.model.alpha, self.model.beta, 1e-9 / self.model.beta, *self.gamma)
         c = self.compressor
         self.subs: dict[str, Strategy] = {"dense": DenseAllreduce(backend),
                                           "allgather": Allgather(backend, c, error_feedback)}
@@ -117,12 +143,14 @@ class Auto(Strategy):
             return times
         est = sum(min(p, n * item) for p, n in zip(packed, sizes))  # type: ignore[type-var]
         static = all(self.compressor.static_size(n, dtype) is not None for n in sizes)
-        times["allgather"] = m.allgather(est, world, sized=static)
+        numel = sum(sizes)
+        enc, dec = self.gamma
+        times["allgather"] = m.allgather(est, world, sized=static) + numel * (enc + world * dec)
         if "allreduce" in self.subs:
-            times["allreduce"] = m.allreduce(est, world)
+            times["allreduce"] = m.allreduce(est, world) + numel * (enc + dec)
         if "artopk" in self.subs:
             k = sum(self.compressor.value_count(n) for n in sizes)  # type: ignore[attr-defined]
-            times["artopk"] = m.broadcast(8 * k, world) + m.allreduce(k * item + item, world)
+            times["artopk"] = m.broadcast(8 * k, world) + m.allreduce(k * item + item, world) + numel * (enc + dec)
         return times
 
     def choose(self, sizes: list[int], dtype: torch.dtype) -> str:
@@ -168,9 +196,9 @@ def make_strategy(name: str, backend: Backend, compressor: Compressor | str = "n
     if options and name != "auto":
         raise ValueError(f"strategy {name!r} takes no options, got {sorted(options)}")
     if name == "auto":
-        unknown = set(options) - {"alpha", "beta"}
+        unknown = set(options) - {"alpha", "beta", "gamma_encode", "gamma_decode"}
         if unknown:
-            raise ValueError(f"strategy 'auto' takes alpha and beta, got {sorted(unknown)}")
+            raise ValueError(f"strategy 'auto' takes alpha, beta, gamma_encode and gamma_decode, got {sorted(unknown)}")
         return Auto(backend, c, error_feedback, **options)
     if name == "allreduce":
         return Allreduce(backend, c, error_feedback)

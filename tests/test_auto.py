@@ -1,0 +1,41 @@
+"""The `auto` strategy's cost model and choices, on real 2-rank gloo groups."""
+
+import torch
+
+from gradwire import Ctx
+from gradwire.comm.cost import Auto, CostModel
+from gradwire.comm.torch_dist import TorchDistBackend
+from multiproc import run_ranks
+
+
+def test_cost_model_formulas():
+    m = CostModel(alpha=1e-5, beta=1e-9)
+    assert m.allreduce(1000, 4) == 6 * 1e-5 + 1.5 * 1000 * 1e-9
+    assert m.allgather(1000, 4) == 3 * (1e-5 + 1000 * 1e-9)
+    assert m.allgather(1000, 4, sized=False) > m.allgather(1000, 4)
+    assert m.broadcast(1000, 4) == 2 * (1e-5 + 1000 * 1e-9)
+
+
+def _choices(rank: int, world: int) -> dict:
+    backend = TorchDistBackend()
+    sizes = [1 << 20, 1 << 10]
+    slow_net = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9)
+    fast_net = Auto(backend, "topk:ratio=0.01", alpha=1e-6, beta=1e-12, gamma_encode=1e-8, gamma_decode=1e-8)
+    summable = Auto(backend, "fp16", alpha=1e-4, beta=1e-7, gamma_encode=1e-10, gamma_decode=1e-10)
+    measured = Auto(backend, "topk:ratio=0.01")
+    x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(rank))
+    total = measured.exchange(x, 0, Ctx(rank=rank), average=False).wait()
+    return {"slow": slow_net.choose(sizes, torch.float32), "fast": fast_net.choose(sizes, torch.float32),
+            "summable": summable.choose(sizes, torch.float32), "measured_model": measured.model,
+            "gamma": measured.gamma, "measured_choice": measured.choice, "total": total}
+
+
+def test_auto_choices_follow_the_model_and_agree_across_ranks():
+    a, b = run_ranks(_choices, 2)
+    assert a["slow"] in ("allgather", "artopk")  # a slow wire favours sending 1% of the bytes
+    assert a["fast"] == "dense"  # a free wire and costly compression favour plain allreduce
+    assert a["summable"] == "allreduce"  # fp16 halves the bytes at almost no compute
+    assert a["measured_model"] == b["measured_model"] and a["measured_model"].alpha > 0
+    assert a["gamma"] == b["gamma"] and all(g > 0 for g in a["gamma"])
+    assert a["measured_choice"] == b["measured_choice"]
+    assert torch.equal(a["total"], b["total"])
