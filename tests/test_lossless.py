@@ -90,7 +90,11 @@ def test_byte_planes_layout(dtype, n):
     planes = split_planes(x)
     s = x.element_size()
     assert planes.dtype == torch.uint8 and planes.numel() == n * s
-    raw = x.view(torch.uint8).reshape(n, s)
+    # each element's bits rotated left by one (sign to bit 0, exponent to the top byte), then split
+    words = [int.from_bytes(bytes(x[i: i + 1].view(torch.uint8).tolist()), "little") for i in range(n)]
+    width = 8 * s
+    rotated = [((w << 1) | (w >> (width - 1))) & ((1 << width) - 1) for w in words]
+    raw = torch.tensor([list(r.to_bytes(s, "little")) for r in rotated], dtype=torch.uint8).reshape(n, s)
     for k in range(s):
         assert torch.equal(planes[k * n:(k + 1) * n], raw[:, k])
     assert torch.equal(bits(merge_planes(planes, dtype)), bits(x))
