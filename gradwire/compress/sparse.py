@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 import numpy as np
@@ -130,22 +131,16 @@ def _candidates(flat: torch.Tensor, key: int) -> torch.Tensor:
     nw = -(-n // 8)
     hit, other = _masks(nw * 8, dev)
     if _on_host(flat):
-        # Two one-sided integer compares, no temporary: as signed ints the positive
-        # elements with key >= `key` are exactly those >= key; as unsigned ints the negative
-        # ones are exactly those >= sign bit + key. NaN of either sign has the largest key.
         ints = _ints(flat).numpy()
         h, o = hit.numpy(), other.numpy()
-        np.greater_equal(ints, key, out=h[:n])
-        np.greater_equal(ints.view(_NP_UINT[ints.dtype]), _SIGN[flat.dtype] + key, out=o[:n])
         h[n:] = False
         o[n:] = False
-        # Find candidate bytes eight at a time: first the int64 words holding one (a scan of
-        # n/8 words), then the bytes within those words.
-        words = h.view(np.int64)
-        np.bitwise_or(words, o.view(np.int64), out=words)
-        w = np.flatnonzero(words != 0)
-        j = np.flatnonzero(words[w].view(np.bool_))  # bytes are 0/1; NumPy scans bool fastest
-        return torch.from_numpy((w[j >> 3] << 3) | (j & 7))
+        # NumPy runs one thread and releases the GIL: split the scan into one contiguous
+        # part per torch thread (8-element aligned) and run the parts concurrently.
+        parts = _parts(nw, torch.get_num_threads())
+        found = _pool().map(lambda ab: _scan_part(ints, h, o, key, flat.dtype, ab[0], ab[1]), parts) \
+            if len(parts) > 1 else [_scan_part(ints, h, o, key, flat.dtype, *parts[0])]
+        return torch.from_numpy(np.concatenate(list(found)))
     if flat.dtype == torch.float32 and key <= _INF_KEY[torch.float32]:
         # Two compares straight from the input (no 4-byte temporary): an element is *not* a
         # candidate iff x < t and x > -t; NaN fails both, so it is one.
@@ -165,6 +160,41 @@ def _candidates(flat: torch.Tensor, key: int) -> torch.Tensor:
         sub = torch.index_select(words, 0, w)
     j = torch.nonzero(sub.view(torch.bool)).view(-1)
     return torch.index_select(w, 0, j >> 3).mul_(8).add_(j & 7)
+
+
+def _scan_part(ints: np.ndarray, h: np.ndarray, o: np.ndarray, key: int, dtype: torch.dtype,
+               w0: int, w1: int) -> np.ndarray:
+    """Candidate indices among words w0..w1 (8 elements each) of the input."""
+    a, b = 8 * w0, min(8 * w1, ints.shape[0])
+    # Two one-sided integer compares, no temporary: as signed ints the positive
+    # elements with key >= `key` are exactly those >= key; as unsigned ints the negative
+    # ones are exactly those >= sign bit + key. NaN of either sign has the largest key.
+    np.greater_equal(ints[a:b], key, out=h[a:b])
+    np.greater_equal(ints[a:b].view(_NP_UINT[ints.dtype]), _SIGN[dtype] + key, out=o[a:b])
+    # Find candidate bytes eight at a time: first the int64 words holding one (a scan of
+    # n/8 words), then the bytes within those words.
+    words = h[8 * w0: 8 * w1].view(np.int64)
+    np.bitwise_or(words, o[8 * w0: 8 * w1].view(np.int64), out=words)
+    w = np.flatnonzero(words != 0)
+    j = np.flatnonzero(words[w].view(np.bool_))  # bytes are 0/1; NumPy scans bool fastest
+    return ((w[j >> 3] + w0) << 3) | (j & 7)
+
+
+def _parts(nwords: int, threads: int) -> list[tuple[int, int]]:
+    """Split nwords into up to `threads` contiguous ranges (small inputs stay whole)."""
+    count = max(1, min(threads, nwords // (1 << 16)))
+    bounds = [nwords * i // count for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(2, torch.get_num_threads()), thread_name_prefix="gradwire-scan")
+    return _POOL
 
 
 def _kth_largest(keys, r: int) -> int:
@@ -458,12 +488,14 @@ class DGC(_FixedK):
     least 1024 elements); if fewer than k elements pass it, it is lowered to 0.8x (up to
     10 times, then every element competes); the exact k largest of those that pass are
     sent (ties to the lowest index). Deterministic: the sample is strided, not random.
+    `dgc` is the fast sparsifier, so its indices travel raw by default (fixed size, no
+    packing pass); `indices=auto` trades ~30 ms per 25M elements for ~3 fewer bytes per index.
     """
 
     name = "dgc"
     codec_id = 9
     params = (_RATIO, _K, Param("sample_ratio", float, 0.01, lambda v: 0.0 < v <= 1.0, "0 < sample_ratio <= 1"),
-              _INDICES)
+              Param("indices", str, "raw", _INDICES.check, _INDICES.rule))
 
     def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         return _dgc(flat, k, self.sample_ratio)
