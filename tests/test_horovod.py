@@ -7,16 +7,14 @@ when every rank reported it. A job that hangs is killed after JOB_TIMEOUT second
 
 from __future__ import annotations
 
-import ast
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+import launcher
 
 try:
     import horovod.torch as hvd  # noqa: F401
@@ -34,9 +32,7 @@ needs_horovod = pytest.mark.skipif(not HAVE_HOROVOD, reason=WHY)
 
 
 def check_names() -> list[str]:
-    tree = ast.parse(PROGRAM.read_text())
-    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef)
-            and any(isinstance(d, ast.Name) and d.id == "check" for d in node.decorator_list)]
+    return launcher.check_names(PROGRAM)
 
 
 def _command(controller: str) -> list[str] | None:
@@ -45,68 +41,16 @@ def _command(controller: str) -> list[str] | None:
         if runner is None:
             return None
         return [runner, "--gloo", "-np", str(WORLD), "-H", f"localhost:{WORLD}", sys.executable, str(PROGRAM)]
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None or not hvd.mpi_built():
+    args = launcher.mpiexec_args(WORLD)
+    if args is None or not hvd.mpi_built():
         return None
-    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
-    args = [mpiexec, "-n", str(WORLD)]
-    if "Open MPI" in version.stdout + version.stderr or "OpenRTE" in version.stdout + version.stderr:
-        args += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
     return args + [sys.executable, str(PROGRAM)]
 
 
-class Job:
-    def __init__(self, controller: str, rc: int | None, out: str, err: str, seconds: float) -> None:
-        self.controller, self.rc, self.out, self.err, self.seconds = controller, rc, out, err, seconds
-        self.ok: dict[str, set[int]] = {}
-        for line in out.splitlines():
-            parts = line.split("CHECK ", 1)[-1].split() if "CHECK " in line else []
-            if len(parts) >= 3 and parts[1] == "OK" and parts[2].startswith("rank="):
-                self.ok.setdefault(parts[0], set()).add(int(parts[2][5:]))
-
-    def failure(self, name: str) -> str | None:
-        missing = set(range(WORLD)) - self.ok.get(name, set())
-        if not missing:
-            return None
-        marker = f"CHECK {name} FAILED"
-        text = self.out + self.err
-        if marker in text:
-            return text[text.index(marker):][:6000]
-        why = "timed out (a hang)" if self.rc is None else f"exited with {self.rc}"
-        return (f"ranks {sorted(missing)} did not finish {name}: the job {why} after {self.seconds:.0f} s\n"
-                f"--- stdout tail ---\n{self.out[-2000:]}\n--- stderr tail ---\n{self.err[-4000:]}")
+_JOBS: dict[str, launcher.Job] = {}
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """Stop the launcher we started and its process group."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _kill_leftover_ranks(out: str) -> None:
-    """Kill ranks that outlived their launcher, by the pid each printed (if it still runs checks.py)."""
-    for line in out.splitlines():
-        parts = line.split("PID ", 1)[-1].split() if "PID rank=" in line else []
-        if len(parts) == 2 and parts[1].isdigit():
-            try:
-                if "checks.py" in Path(f"/proc/{parts[1]}/cmdline").read_bytes().decode(errors="replace"):
-                    os.kill(int(parts[1]), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                pass
-
-
-_JOBS: dict[str, Job] = {}
-
-
-def job(controller: str) -> Job:
+def job(controller: str) -> launcher.Job:
     if controller not in _JOBS:
         cmd = _command(controller)
         if cmd is None:
@@ -123,18 +67,7 @@ def job(controller: str) -> Job:
                         "OMPI_MCA_mpi_yield_when_idle": "1"})
         else:
             env.update({"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"})
-        start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=JOB_TIMEOUT)
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-            out, err = proc.communicate()
-            _kill_leftover_ranks(out)
-            rc = None
-        _JOBS[controller] = Job(controller, rc, out, err, time.monotonic() - start)
+        _JOBS[controller] = launcher.run_job(cmd, WORLD, env, ROOT, JOB_TIMEOUT, "checks.py")
     return _JOBS[controller]
 
 
@@ -153,7 +86,7 @@ def test_horovod_check(controller: str, name: str) -> None:
 @pytest.mark.parametrize("controller", ("gloo", "mpi"))
 def test_horovod_job_exits_cleanly(controller: str) -> None:
     j = job(controller)
-    assert j.rc == 0, f"{controller}: rc={j.rc} after {j.seconds:.0f} s\n{j.err[-4000:]}"
+    assert j.rc == 0, f"{controller}: rc={j.rc} after {j.seconds:.0f} s\n{j.stderr[-4000:]}"
 
 
 def test_program_defines_checks() -> None:

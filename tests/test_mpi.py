@@ -8,18 +8,15 @@ The merge functions of gradwire.comm.sparse are also tested in-process (no MPI).
 
 from __future__ import annotations
 
-import ast
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import launcher
 from gradwire.comm.sparse import check_indices, merge_dense, merge_sparse, pack, unpack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,80 +41,17 @@ needs_mpi = pytest.mark.skipif(
 
 
 def check_names(program: str) -> list[str]:
-    """The @check functions of a program, in order (read from its source: nothing imported)."""
-    tree = ast.parse((PROGRAMS_DIR / f"{program}.py").read_text())
-    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef)
-            and any(isinstance(d, ast.Name) and d.id == "check" for d in node.decorator_list)]
+    return launcher.check_names(PROGRAMS_DIR / f"{program}.py")
 
 
 CHECKS = [(world, program, name) for world in WORLDS for program in PROGRAMS for name in check_names(program)
           if ONLY_AT.get(program, world) == world]
 
 
-class Job:
-    """The outcome of one mpiexec run: which checks each rank finished, and the output."""
-
-    def __init__(self, world: int, rc: int | None, stdout: str, stderr: str, seconds: float) -> None:
-        self.world, self.rc, self.stdout, self.stderr, self.seconds = world, rc, stdout, stderr, seconds
-        self.ok: dict[str, set[int]] = {}
-        for line in stdout.splitlines():
-            parts = line.split()
-            if len(parts) >= 4 and parts[0] == "CHECK" and parts[2] == "OK" and parts[3].startswith("rank="):
-                self.ok.setdefault(parts[1], set()).add(int(parts[3][5:]))
-
-    def failure(self, name: str) -> str | None:
-        """Why `name` did not pass on every rank, or None if it did."""
-        missing = set(range(self.world)) - self.ok.get(name, set())
-        if not missing:
-            return None
-        marker = f"CHECK {name} FAILED"
-        if marker in self.stderr:
-            return self.stderr[self.stderr.index(marker):][:6000]
-        why = "timed out (a hang)" if self.rc is None else f"exited with {self.rc}"
-        return (f"ranks {sorted(missing)} did not finish {name}: the job {why} after {self.seconds:.0f} s\n"
-                f"--- stdout tail ---\n{self.stdout[-2000:]}\n--- stderr tail ---\n{self.stderr[-4000:]}")
+_JOBS: dict[int, launcher.Job] = {}
 
 
-def _mpiexec_args(world: int) -> list[str]:
-    version = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=30)  # type: ignore[list-item]
-    args = [MPIEXEC, "-n", str(world)]  # type: ignore[list-item]
-    if "Open MPI" in version.stdout + version.stderr or "OpenRTE" in version.stdout + version.stderr:
-        args += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    return args
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """Stop the job we started: mpiexec's process group (mpiexec terminates its ranks)."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _kill_leftover_ranks(stdout: str) -> None:
-    """Ranks run in their own process groups: kill any that outlived mpiexec, by the pid each
-    printed at start (only if that pid still runs our program)."""
-    for line in stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == "PID" and parts[2].isdigit():
-            pid = int(parts[2])
-            try:
-                if "run.py" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                    os.kill(pid, signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                pass
-
-
-_JOBS: dict[int, Job] = {}
-
-
-def job(world: int) -> Job:
+def job(world: int) -> launcher.Job:
     if world not in _JOBS:
         env = dict(os.environ)
         env.update({
@@ -127,19 +61,8 @@ def job(world: int) -> Job:
             "GRADWIRE_MPI_CUDA_AWARE": "0",
         })
         programs = [p for p in PROGRAMS if ONLY_AT.get(p, world) == world]
-        cmd = _mpiexec_args(world) + [sys.executable, str(PROGRAMS_DIR / "run.py"), *programs]
-        start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=JOB_TIMEOUT)
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-            out, err = proc.communicate()
-            _kill_leftover_ranks(out)
-            rc = None
-        _JOBS[world] = Job(world, rc, out, err, time.monotonic() - start)
+        cmd = launcher.mpiexec_args(world) + [sys.executable, str(PROGRAMS_DIR / "run.py"), *programs]
+        _JOBS[world] = launcher.run_job(cmd, world, env, ROOT, JOB_TIMEOUT, "run.py")
     return _JOBS[world]
 
 
