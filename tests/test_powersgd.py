@@ -117,11 +117,11 @@ def _all_runs(rank: int, world: int) -> dict:
     return {"strategy": _strategy_runs(rank, world), "ddp": _ddp_runs(rank, world)}
 
 
-@pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    """Both scenarios in one pair of processes: spawning, importing torch and DDP's first
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def ranks(request) -> list[dict]:
+    """Both scenarios in one set of processes: spawning, importing torch and DDP's first
     construction (which imports torch._dynamo) cost far more than the training itself."""
-    return run_ranks(_all_runs, 2, timeout=150)
+    return run_ranks(_all_runs, request.param, timeout=300)
 
 
 def test_ddp_matches_torch_powersgd_hook_and_resumes_identically(ranks):
@@ -133,7 +133,12 @@ def test_ddp_matches_torch_powersgd_hook_and_resumes_identically(ranks):
             assert worst <= TOLERANCE, f"config {name}: gradwire drifted {worst:.3g} from torch's powerSGD_hook"
             assert max((a - b).abs().max().item() for a, b in zip(r["dense"], r[f"gradwire_{name}"])) > 1e-4
         for a, b in zip(r["straight"], r["resumed"]):
-            assert torch.equal(a, b)
+            if len(results) == 2:
+                assert torch.equal(a, b)
+            else:
+                # gloo's ring allreduce adds each element in an order set by its position in the
+                # buffer, and a resumed DDP starts from other buckets: equal up to fp32 rounding
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         # compression really sent less once it started, and every bucket went through powersgd
         for h in r["history_a"] + r["history_b"] + r["history_multi"]:
             if h["iter"] >= START:
@@ -222,9 +227,10 @@ def test_strategy_state_round_trip_stats_sum_mode_and_non_finite(ranks):
         sent, received, dense = r["stats"]
         # per step: 40x30 twice and 16x36 at rank 2 -> P+Q; 30, 5x2 and the scalar dense
         per_step = 2 * (40 + 30) * 2 + (16 + 36) * 2 + 30 + 10 + 1
-        assert sent == 4 * per_step * 4 and received == sent and dense == 4 * 3017 * 4
+        world = len(results)
+        assert sent == 4 * per_step * 4 and received == sent * (world - 1) and dense == 4 * 3017 * 4
         for m, s in zip(r["mean"], r["sum"]):
-            torch.testing.assert_close(s, 2 * m, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(s, world * m, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["flat"][0], r["flat"][1], rtol=0, atol=0)
         assert r["nan_finite"] == (False, False)
         assert r["after_nan_finite"]

@@ -224,6 +224,14 @@ class Allgather(Strategy):
         t0 = time.perf_counter()
         segs = segments_of(x, key, shapes, keys)
         codecs = [self._codec(seg, x.dtype) for seg in segs]
+        if all(c is self.raw for c in codecs):  # nothing worth compressing: plain allreduce
+            t = x.clone()
+            if average:
+                t.div_(self.backend.world_size)
+            nbytes = t.numel() * t.element_size()
+            self._count(key, x, nbytes, nbytes * (self.backend.world_size - 1))
+            self.stats.buckets[str(key)] = "dense"
+            return self.backend.allreduce(t)
         packets, mine = [], []
         for seg, c in zip(segs, codecs):
             part = seg.of(x)

@@ -1,0 +1,50 @@
+"""Strategy details on a real 2-rank gloo group."""
+
+import pytest
+import torch
+
+import gradwire
+from gradwire import Ctx
+from gradwire.comm.cost import make_strategy
+from gradwire.comm.strategies import split_message
+from gradwire.comm.torch_dist import TorchDistBackend
+from multiproc import run_ranks
+
+
+def _small_and_mixed(rank: int, world: int) -> dict:
+    backend = TorchDistBackend()
+    s = make_strategy("allgather", backend, "topk:ratio=0.1")
+    tiny = torch.full((4,), float(rank + 1))  # a topk packet of 4 elements is bigger than 16 bytes
+    out = {"tiny": s.exchange(tiny, "tiny", Ctx(rank=rank), average=True).wait()}
+    out["tiny_stats"] = s.take_stats().as_dict()
+    mixed = torch.randn(2000 + 4, generator=torch.Generator().manual_seed(rank))
+    out["mixed"] = s.exchange(mixed, "m", Ctx(rank=rank), shapes=[torch.Size([2000]), torch.Size([4])],
+                              keys=["w", "b"]).wait()
+    out["mixed_input"] = mixed
+    out["mixed_stats"] = s.take_stats().as_dict()
+    return out
+
+
+def test_uncompressible_bucket_is_allreduced_and_small_segments_travel_raw():
+    a, b = run_ranks(_small_and_mixed, 2)
+    assert torch.equal(a["tiny"], torch.full((4,), 1.5)) and torch.equal(a["tiny"], b["tiny"])
+    assert a["tiny_stats"]["buckets"] == {"tiny": "dense"} and a["tiny_stats"]["bytes_sent"] == 16
+    # the 4-element segment is summed exactly; the 2000-element one is compressed
+    assert torch.equal(a["mixed"][2000:], a["mixed_input"][2000:] + b["mixed_input"][2000:])
+    assert torch.equal(a["mixed"], b["mixed"])
+    assert (a["mixed"][:2000] != 0).sum() <= 2 * 200
+    assert a["mixed_stats"]["bytes_sent"] < a["mixed_stats"]["dense_bytes"] / 3
+
+
+def test_split_message_rejects_bad_length_tables():
+    packets = [torch.arange(5, dtype=torch.uint8), torch.arange(3, dtype=torch.uint8)]
+    message = torch.cat([torch.tensor([5, 3]).view(torch.uint8)] + packets)
+    assert [p.tolist() for p in split_message(message, 2)] == [p.tolist() for p in packets]
+    with pytest.raises(gradwire.WireFormatError):
+        split_message(message[:-1], 2)
+    with pytest.raises(gradwire.WireFormatError):
+        split_message(message[:10], 2)
+    bad = message.clone()
+    bad[:8] = torch.tensor([-1]).view(torch.uint8)
+    with pytest.raises(gradwire.WireFormatError):
+        split_message(bad, 2)
