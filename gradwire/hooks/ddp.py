@@ -13,7 +13,10 @@ Compression, randomness and error feedback work per parameter (keyed by its name
 results do not depend on how DDP groups parameters into buckets — DDP regroups after its
 first iteration, and a resumed process starts from the initial grouping again.
 
-Checkpoint recipe (a resumed run continues bit-identically)::
+Checkpoint recipe (a resumed run continues bit-identically with the allgather strategy at any
+world size, and with every strategy at 2 ranks; with more ranks, allreduce-based strategies
+match up to fp32 rounding, because a ring allreduce adds each element in an order set by its
+position in the buffer, and a resumed DDP starts from different buckets)::
 
     torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
                 "hook": state.state_dict()}, path)
