@@ -57,6 +57,9 @@ class Backend(ABC):
 
     rank: int
     world_size: int
+    #: Whether allreduce leaves bit-identical sums on every rank (gloo and NCCL rings do; MPI
+    #: implementations need not), so strategies may use it where replicas must agree exactly.
+    allreduce_identical: bool = False
 
     @abstractmethod
     def allreduce(self, t: torch.Tensor) -> Work[torch.Tensor]:

@@ -224,7 +224,8 @@ class Allgather(Strategy):
         t0 = time.perf_counter()
         segs = segments_of(x, key, shapes, keys)
         codecs = [self._codec(seg, x.dtype) for seg in segs]
-        if all(c is self.raw for c in codecs):  # nothing worth compressing: plain allreduce
+        if self.backend.allreduce_identical and all(c is self.raw for c in codecs):
+            # nothing worth compressing: a plain allreduce (its sums are equal on every rank)
             t = x.clone()
             if average:
                 t.div_(self.backend.world_size)

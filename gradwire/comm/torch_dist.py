@@ -12,6 +12,8 @@ from .backend import Backend, Work
 
 
 class TorchDistBackend(Backend):
+    allreduce_identical = True  # ring reduce-scatter then allgather: one sum per element, copied
+
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first")

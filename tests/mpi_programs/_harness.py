@@ -46,7 +46,7 @@ def same_on_all_ranks(backend: Any, what: str, *tensors: torch.Tensor) -> None:
 def bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
     if not torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)):
-        bad = (a != b).nonzero().view(-1)[:5].tolist()
+        bad = (a != b).nonzero().reshape(-1)[:5].tolist()
         raise AssertionError(f"{what}: not bit-identical, first differences at {bad}: "
                              f"{a.view(-1)[bad].tolist()} vs {b.view(-1)[bad].tolist()}")
 
