@@ -99,6 +99,13 @@ def estimated_packet_bytes(c: Compressor, numel: int, dtype: torch.dtype) -> int
     return None
 
 
+def worth_compressing(c: Compressor, numel: int, dtype: torch.dtype) -> bool:
+    """Whether c's packet for numel elements is smaller than the dense bytes (decided from numel
+    and dtype alone, so identically on every rank; unknown sizes count as worth it)."""
+    est = estimated_packet_bytes(c, numel, dtype)
+    return est is None or est < numel * torch.empty((), dtype=dtype).element_size()
+
+
 class Auto(Strategy):
     """The cheapest of dense allreduce, allreduce of summable payloads, allgather of packets
     and (for plain top-k) AR-top-k, by the cost model. The choice is made once, from the sizes

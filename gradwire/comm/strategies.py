@@ -116,10 +116,9 @@ class Strategy:
 
     def compresses(self, numel: int, dtype: torch.dtype) -> bool:
         """Whether a segment this size is worth compressing (packet smaller than dense)."""
-        from .cost import estimated_packet_bytes
+        from .cost import worth_compressing
 
-        est = estimated_packet_bytes(self.compressor, numel, dtype)
-        return est is None or est < numel * torch.empty((), dtype=dtype).element_size()
+        return worth_compressing(self.compressor, numel, dtype)
 
     def _correct(self, x: torch.Tensor, key: str) -> torch.Tensor:
         return self.feedback.correct(x, key) if self.feedback is not None else x

@@ -31,6 +31,7 @@ from typing import Any, Iterable
 import torch
 
 from ..compress import Compressor, Ctx, ErrorFeedback, compressor as make_compressor
+from ..errors import WireFormatError
 
 try:  # Horovod is optional: importing this module without it only fails on use
     import horovod.torch as hvd
@@ -224,12 +225,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return Ctx(self._gw_seed, self._gw_step, hvd.rank(), Ctx.key_of(name))
 
     def _gw_compresses(self, grad: torch.Tensor) -> bool:
-        """Whether compressing is worth it: a packet smaller than the dense tensor (decided from
-        numel and dtype alone, so identically on every rank)."""
-        from ..comm.cost import estimated_packet_bytes
+        from ..comm.cost import worth_compressing
 
-        est = estimated_packet_bytes(self._gw_compressor, grad.numel(), grad.dtype)
-        return est is None or est < grad.numel() * grad.element_size()
+        return worth_compressing(self._gw_compressor, grad.numel(), grad.dtype)
 
     def _gw_allreduces(self, grad: torch.Tensor) -> bool:
         """Summable payloads Horovod can allreduce go by allreduce; others as packets by allgather."""
@@ -282,8 +280,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             result = torch.zeros_like(grad)
             me, pos = hvd.rank(), 0
             for r in range(hvd.size()):  # rank order: bit-identical sums on every rank
+                if pos + _LENGTH_BYTES > out.numel():
+                    raise WireFormatError(f"allgather of {self._gw_names[p]!r}: rank {r}'s message is missing")
                 n = int(out[pos: pos + _LENGTH_BYTES].clone().view(torch.int64))
                 pos += _LENGTH_BYTES
+                if n < 0 or pos + n > out.numel():
+                    raise WireFormatError(f"allgather of {self._gw_names[p]!r}: rank {r} declares {n} bytes, "
+                                          f"{out.numel() - pos} remain")
                 result.add_(sent if r == me else codec.decode(out[pos: pos + n]))
                 pos += n
             if pos != out.numel():
