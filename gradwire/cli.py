@@ -96,12 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--only", default="throughput,wire,lossless", help="comma list of throughput, wire, lossless")
     b.add_argument("--json", help="also write the results to this JSON file")
     b.set_defaults(func=cmd_bench)
+    sub.add_parser("experiment", add_help=False,
+                   help="train real models on N ranks and plot accuracy vs bytes (gradwire experiment --help)")
     ls = sub.add_parser("list", help="list compressors and their parameters")
     ls.set_defaults(func=cmd_list)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["experiment"]:  # its own parser: experiments/cli.py
+        from experiments.cli import main as experiment_main
+
+        return experiment_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -133,6 +133,16 @@ class Strategy:
         self.stats.dense_bytes += x.numel() * x.element_size()
         self.stats.buckets[str(key)] = self.name
 
+    def _timed_allreduce(self, t: torch.Tensor) -> Work[torch.Tensor]:
+        """Allreduce `t` in place, adding the wait until its result to the exchange time."""
+        started = time.perf_counter()
+
+        def done(result: torch.Tensor) -> torch.Tensor:
+            self.stats.exchange_s += time.perf_counter() - started
+            return result
+
+        return self.backend.allreduce(t).then(done)
+
     def state_dict(self) -> dict[str, Any]:
         return {"feedback": self.feedback.state_dict() if self.feedback is not None else None}
 
@@ -158,7 +168,7 @@ class DenseAllreduce(Strategy):
             t.div_(self.backend.world_size)
         nbytes = t.numel() * t.element_size()
         self._count(key, x, nbytes, nbytes * (self.backend.world_size - 1))
-        return self.backend.allreduce(t)
+        return self._timed_allreduce(t)
 
 
 class Allreduce(Strategy):
@@ -231,7 +241,7 @@ class Allgather(Strategy):
             nbytes = t.numel() * t.element_size()
             self._count(key, x, nbytes, nbytes * (self.backend.world_size - 1))
             self.stats.buckets[str(key)] = "dense"
-            return self.backend.allreduce(t)
+            return self._timed_allreduce(t)
         packets, mine = [], []
         for seg, c in zip(segs, codecs):
             part = seg.of(x)

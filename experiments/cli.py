@@ -1,0 +1,112 @@
+"""`gradwire experiment`: sweep compressors x ratios x world sizes (x emulated links) and report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .cluster import EmulationUnavailable, check_available, rate_bits
+from .report import write_report
+from .sweep import Sweep, run_sweep
+from .tasks import TASKS, get_task
+
+QUICK = dict(task="mnist1d", arch="cnn", width=64, methods="none,topk,qsgd:bits=4,powersgd:rank=2", ratios="0.01",
+             worlds="2", links="none", steps=300, eval_every=50)
+
+
+def _csv(kind: type, text: str) -> list:
+    try:
+        return [kind(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradwire experiment", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="a small sweep that finishes in under 3 minutes on 2 cores (mnist1d, 2 ranks, 300 steps)")
+    p.add_argument("--task", default="mnist1d", choices=sorted(TASKS))
+    p.add_argument("--arch", default=None, help="model architecture (mnist1d: cnn | mlp; charlm: transformer; "
+                                                "cifar10: resnet20); default: the task's")
+    p.add_argument("--width", type=int, default=0, help="model width (0: the architecture's default)")
+    p.add_argument("--methods", default="none,topk,randomk,qsgd:bits=4,powersgd:rank=2",
+                   help="comma list of gradwire compressor specs, 'none' (dense) and 'powersgd:rank=R'; "
+                        "topk/randomk/dgc without ratio= are swept over --ratios")
+    p.add_argument("--ratios", default="0.01,0.1", help="kept fractions for sparsifiers without an explicit ratio")
+    p.add_argument("--worlds", default="4", help="comma list of world sizes (ranks on this machine)")
+    p.add_argument("--links", default="none",
+                   help="comma list: 'none' (loopback) or tbf rates such as 100mbit,1gbit (emulated cluster; root)")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch", type=int, default=0, help="per-rank batch (0: the task's default)")
+    p.add_argument("--lr", type=float, default=0.0, help="learning rate (0: the task's default)")
+    p.add_argument("--seeds", default="0", help="comma list of seeds (model init, data order, compressor RNG)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--strategy", default="default",
+                   help="'default' (allreduce for summable payloads, allgather otherwise) or a gradwire strategy")
+    p.add_argument("--error-feedback", default="auto", choices=["auto", "on", "off"],
+                   help="auto: on for biased compressors, off for unbiased ones (randomk, qsgd, terngrad) and casts")
+    p.add_argument("--data-dir", default=None, help="local dataset folder (cifar10: cifar-10-batches-py)")
+    p.add_argument("--out", default=None, help="output folder (default: experiment-results/<task>)")
+    p.add_argument("--alpha-us", type=float, default=50.0, help="per-message latency of the alpha-beta projection")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--report-only", action="store_true", help="rewrite the report from finished runs only")
+    return p
+
+
+def sweep_from(args: argparse.Namespace) -> Sweep:
+    if args.quick:
+        defaults = build_parser().parse_args([])
+        for key, value in QUICK.items():
+            if getattr(args, key) == getattr(defaults, key):  # an explicit option still wins
+                setattr(args, key, value)
+    task = get_task(args.task)
+    arch = args.arch or task.default_arch
+    task.model(arch, args.width)  # unknown architecture: fail before anything runs
+    links = [s.strip() for s in args.links.split(",") if s.strip()]
+    for link in links:
+        if link != "none":
+            rate_bits(link)
+    worlds = _csv(int, args.worlds)
+    if any(w < 1 for w in worlds):
+        raise ValueError(f"world sizes must be >= 1, got {worlds}")
+    if args.steps < 1 or args.eval_every < 1:
+        raise ValueError("--steps and --eval-every must be >= 1")
+    return Sweep(args.task, arch, args.width, [m.strip() for m in args.methods.split(",") if m.strip()],
+                 _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
+                 args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
+                 args.error_feedback, args.data_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        sweep = sweep_from(args)
+        configs = sweep.runs()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"gradwire experiment: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"experiment-results/{sweep.task}" + ("-quick" if args.quick else ""))
+    if any(c.link != "none" for c in configs) and not args.report_only:
+        try:
+            check_available()
+        except EmulationUnavailable as exc:
+            print(f"gradwire experiment: error: {exc}.\nRun with --links none instead: report.md and projection.csv "
+                  "then model 1, 10 and 100 Gbit/s links (alpha-beta, from the bytes measured per step).",
+                  file=sys.stderr)
+            return 2
+    started = time.monotonic()
+    if args.report_only:
+        from .sweep import finished
+
+        summaries = [s for c in configs if (s := finished(c, out / "runs" / c.run_id)) is not None]
+    else:
+        print(f"gradwire experiment: {len(configs)} runs -> {out}", file=sys.stderr)
+        summaries = run_sweep(configs, out, progress=not args.no_progress, timeout=args.timeout)
+    files = write_report(out, summaries, alpha=args.alpha_us * 1e-6)
+    print(f"gradwire experiment: {len(summaries)} runs in {time.monotonic() - started:.0f} s; "
+          f"report: {files['report.md']}", file=sys.stderr)
+    return 0

@@ -1,0 +1,157 @@
+"""An emulated bandwidth-limited cluster: one network namespace per rank on a shared bridge.
+
+Layout: a "switch" namespace holds a Linux bridge; each rank's namespace holds one end of a
+veth pair (its only interface besides loopback) and the other end is a bridge port. Both
+directions of every link are shaped by a `tbf` qdisc (the rank's upload on its own veth end,
+its download on the bridge port), so each rank has a full-duplex link of the given rate into
+a non-blocking switch, like hosts on one top-of-rack switch. Addresses are created for the run
+in 10.213.N.0/24 and reach nothing else. `teardown()` deletes every namespace it made (which
+removes the veths and the bridge); it runs on normal exit, exceptions, Ctrl-C and SIGTERM,
+and namespaces left by a process that died are removed the next time a cluster is built.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from types import FrameType, TracebackType
+
+PREFIX = "gwx"
+RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)bit$")
+
+
+class EmulationUnavailable(RuntimeError):
+    """The emulated cluster cannot be built here (privileges or tools missing)."""
+
+
+def rate_bits(rate: str) -> float:
+    """'100mbit' -> 1e8 (bits per second); anything else raises ValueError."""
+    m = RATE_RE.match(rate.lower())
+    if not m:
+        raise ValueError(f"link rate {rate!r} is not of the form <number>kbit|mbit|gbit, e.g. 100mbit")
+    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def _run(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+
+
+def check_available() -> None:
+    """Raise EmulationUnavailable with what is missing; does nothing when all is in place."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise EmulationUnavailable(f"the emulated cluster needs iproute2's {' and '.join(missing)} on PATH")
+    if os.geteuid() != 0:
+        raise EmulationUnavailable("the emulated cluster needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create "
+                                   "network namespaces and tbf qdiscs")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces left by cluster owners that no longer run; returns their names."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    removed = []
+    for line in out.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        m = re.match(rf"^{PREFIX}(\d+)(sw|r\d+)$", name)
+        if m and not _alive(int(m.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            removed.append(name)
+    return removed
+
+
+class EmulatedCluster:
+    """Context manager: `with EmulatedCluster(4, "100mbit") as c: c.prefix(r) + [python, ...]`."""
+
+    def __init__(self, world: int, rate: str, latency_ms: float = 100.0) -> None:
+        if world < 1 or world > 250:
+            raise ValueError(f"emulated cluster size must be 1..250 ranks, got {world}")
+        self.world = world
+        self.rate = rate
+        self.bits = rate_bits(rate)
+        self.latency_ms = latency_ms
+        self.owner = os.getpid()
+        self.subnet = f"10.213.{self.owner % 250}"
+        self.namespaces: list[str] = []
+        self._old_handler: signal.Handlers | None = None
+
+    def ns(self, rank: int) -> str:
+        return f"{PREFIX}{self.owner}r{rank}"
+
+    def address(self, rank: int) -> str:
+        return f"{self.subnet}.{rank + 1}"
+
+    def iface(self, rank: int) -> str:
+        return f"{PREFIX}{rank}a"
+
+    def prefix(self, rank: int) -> list[str]:
+        """Command prefix that runs a program inside rank's namespace."""
+        return ["ip", "netns", "exec", self.ns(rank)]
+
+    def _shape(self, ns: str, dev: str) -> None:
+        # the bucket must hold a whole GSO segment (up to 64 KiB) or tbf drops it; at least 4 ms of data
+        burst = max(int(self.bits / 8 * 0.004), 131072)
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+             "burst", str(burst), "latency", f"{self.latency_ms:g}ms")
+
+    def build(self) -> None:
+        check_available()
+        remove_stale()
+        switch = f"{PREFIX}{self.owner}sw"
+        try:
+            _run("ip", "netns", "add", switch)
+        except RuntimeError as exc:
+            raise EmulationUnavailable(f"cannot create network namespaces here: {exc}") from exc
+        self.namespaces.append(switch)
+        _run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", switch, "link", "set", "br0", "up")
+        for r in range(self.world):
+            ns, inner, outer = self.ns(r), self.iface(r), f"p{r}"
+            _run("ip", "netns", "add", ns)
+            self.namespaces.append(ns)
+            _run("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", switch)
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", inner)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", ns, "link", "set", inner, "up")
+            _run("ip", "-n", switch, "link", "set", outer, "master", "br0")
+            _run("ip", "-n", switch, "link", "set", outer, "up")
+            self._shape(ns, inner)       # upload
+            self._shape(switch, outer)   # download
+
+    def teardown(self) -> None:
+        for ns in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.namespaces.clear()
+
+    def __enter__(self) -> "EmulatedCluster":
+        self._old_handler = signal.getsignal(signal.SIGTERM)  # type: ignore[assignment]
+        signal.signal(signal.SIGTERM, _raise_exit)
+        try:
+            self.build()
+        except BaseException:
+            self.teardown()
+            signal.signal(signal.SIGTERM, self._old_handler)
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.teardown()
+        signal.signal(signal.SIGTERM, self._old_handler)
+
+
+def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through __exit__, so the namespaces go

@@ -1,0 +1,104 @@
+"""One run's configuration, how a sweep expands into runs, and how methods map onto gradwire."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gradwire.compress import compressor as make_compressor
+
+SPARSIFIERS = ("topk", "randomk", "dgc")
+UNBIASED = ("randomk", "qsgd", "terngrad")  # unbiased, not contractive: error feedback would hurt them
+
+
+@dataclass(frozen=True)
+class Method:
+    """How a user-facing method string ("topk:ratio=0.01", "powersgd:rank=4") runs in the hook."""
+
+    label: str
+    compressor: str
+    strategy: str
+    options: dict[str, Any] = field(default_factory=dict)
+    error_feedback: bool = True
+
+
+def parse_method(spec: str, strategy: str = "default", error_feedback: str = "auto") -> Method:
+    """Map a method string onto (compressor, strategy, options, error feedback); bad input raises ValueError."""
+    spec = spec.strip()
+    if spec in ("none", "dense"):
+        return Method("dense", "none", "dense", {}, False)
+    if spec.split(":")[0] == "powersgd":
+        options: dict[str, Any] = {}
+        for item in spec.split(":", 1)[1].split(",") if ":" in spec else []:
+            name, _, value = item.partition("=")
+            if name != "rank" or not value.isdigit():
+                raise ValueError(f"powersgd takes rank=<int>, got {item!r} in {spec!r}")
+            options["rank"] = int(value)
+        options.setdefault("rank", 1)
+        ef = error_feedback != "off"
+        return Method(f"powersgd:rank={options['rank']}", "none", "powersgd", options, ef)
+    c = make_compressor(spec)  # raises ValueError naming what was wrong
+    canonical = str(c)
+    head = spec.split("+")[0].split(":")[0]
+    if strategy == "default":
+        chosen = "allreduce" if c.summable else "allgather"
+    else:
+        chosen = strategy
+    if error_feedback == "auto":
+        ef = head not in UNBIASED and not (c.summable and head in ("none", "fp16", "bf16"))
+    else:
+        ef = error_feedback == "on"
+    return Method(spec, canonical, chosen, {}, ef)
+
+
+def expand_methods(items: list[str], ratios: list[float]) -> list[str]:
+    """`topk` with ratios [0.01, 0.1] -> `topk:ratio=0.01`, `topk:ratio=0.1`; explicit specs stay."""
+    out: list[str] = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        name = item.split(":")[0].split("+")[0]
+        if name in SPARSIFIERS and "ratio=" not in item:
+            head, plus, tail = item.partition("+")
+            sep = "," if ":" in head else ":"
+            out.extend(f"{head}{sep}ratio={r:g}{plus}{tail}" for r in ratios)
+        else:
+            out.append(item)
+    seen: set[str] = set()
+    return [m for m in out if not (m in seen or seen.add(m))]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that determines one training run (recorded with its results)."""
+
+    task: str
+    arch: str
+    width: int
+    method: str
+    world: int
+    steps: int
+    batch: int
+    lr: float
+    seed: int = 0
+    eval_every: int = 100
+    link: str = "none"  # "none" (loopback) or a tbf rate such as "100mbit"
+    strategy: str = "default"
+    error_feedback: str = "auto"
+    data_dir: str | None = None
+
+    def resolved(self) -> Method:
+        return parse_method(self.method, self.strategy, self.error_feedback)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def run_id(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
+        slug = re.sub(r"[^A-Za-z0-9.=]+", "_", self.resolved().label)
+        return f"{self.task}-{self.arch}{self.width}-{slug}-w{self.world}-{self.link}-s{self.seed}-{digest}"

@@ -1,0 +1,87 @@
+"""Start the ranks of one run as separate processes and wait for all of them.
+
+A rank that fails stops the whole run: the others are killed after a short grace period and
+the failing rank's log tail is raised. Logs go to RUN_DIR/rank<N>.log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .cluster import EmulatedCluster
+from .config import RunConfig
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def launch(cfg: RunConfig, run_dir: Path, cluster: EmulatedCluster | None = None, timeout: float = 1800.0) -> dict:
+    """Run `cfg` on cfg.world ranks (in `cluster`'s namespaces when given); return rank 0's summary."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    if cluster is not None:
+        addr, port = cluster.address(0), 29500
+    else:
+        addr, port = "127.0.0.1", free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for r in range(cfg.world):
+            cmd = [sys.executable, "-m", "experiments.worker", str(run_dir), str(r), addr, str(port)]
+            rank_env = dict(env, GLOO_SOCKET_IFNAME=cluster.iface(r) if cluster is not None else "lo")
+            if cluster is not None:
+                cmd = cluster.prefix(r) + cmd
+            log = open(run_dir / f"rank{r}.log", "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env, cwd=root))
+        deadline = time.monotonic() + timeout
+        failed: int | None = None
+        while any(p.poll() is None for p in procs):
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                grace = time.monotonic() + 10
+                while time.monotonic() < grace and any(p.poll() is None for p in procs):
+                    time.sleep(0.2)
+                break
+            if time.monotonic() > deadline:
+                raise RunFailed(f"run {cfg.run_id} did not finish within {timeout:.0f} s; logs in {run_dir}")
+            time.sleep(0.2)
+        if failed is None:
+            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+            failed = bad[0] if bad else None
+        if failed is not None:
+            raise RunFailed(f"run {cfg.run_id}: rank {failed} exited with {procs[failed].returncode}:\n"
+                            f"{_tail(run_dir / f'rank{failed}.log')}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    return json.loads((run_dir / "summary.json").read_text())

@@ -1,0 +1,151 @@
+"""Expand a sweep into runs, run each (skipping finished ones), show progress, collect summaries."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .cluster import EmulatedCluster
+from .config import RunConfig, expand_methods
+from .launch import launch
+
+
+@dataclass
+class Sweep:
+    task: str
+    arch: str
+    width: int
+    methods: list[str]
+    ratios: list[float]
+    worlds: list[int]
+    links: list[str]
+    steps: int
+    batch: int
+    lr: float
+    seeds: list[int] = field(default_factory=lambda: [0])
+    eval_every: int = 100
+    strategy: str = "default"
+    error_feedback: str = "auto"
+    data_dir: str | None = None
+
+    def runs(self) -> list[RunConfig]:
+        out = []
+        for link in self.links:
+            for world in self.worlds:
+                for seed in self.seeds:
+                    for method in expand_methods(self.methods, self.ratios):
+                        cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
+                                        self.lr, seed, self.eval_every, link, self.strategy, self.error_feedback,
+                                        self.data_dir)
+                        cfg.resolved()  # bad method strings fail here, before anything runs
+                        out.append(cfg)
+        return out
+
+
+def command_for(cfg: RunConfig, out: Path) -> str:
+    """The exact command that reruns this one run (the sweep's resume makes it reuse a finished one)."""
+    parts = ["gradwire", "experiment", "--task", cfg.task, "--arch", cfg.arch, "--width", str(cfg.width),
+             "--methods", cfg.method, "--worlds", str(cfg.world), "--links", cfg.link, "--steps", str(cfg.steps),
+             "--batch", str(cfg.batch), "--lr", f"{cfg.lr:g}", "--seeds", str(cfg.seed),
+             "--eval-every", str(cfg.eval_every), "--strategy", cfg.strategy, "--error-feedback", cfg.error_feedback,
+             "--out", str(out)]
+    if cfg.data_dir:
+        parts += ["--data-dir", cfg.data_dir]
+    return shlex.join(parts)
+
+
+def finished(cfg: RunConfig, run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary when it finished with exactly this config, else None."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return summary if summary.get("config") == cfg.to_dict() else None
+
+
+class _Progress:
+    """A rich progress bar when rich is installed and the output is a terminal; plain lines otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        self.total = total
+        self.done = 0
+        self.enabled = enabled
+        if enabled:
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+                console = Console(stderr=True)
+                if console.is_terminal:
+                    self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                        TimeElapsedColumn(), console=console)
+                    self.task = self.bar.add_task("sweep", total=total)
+                    self.bar.start()
+            except ImportError:
+                pass
+
+    def start(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=label)
+        elif self.enabled:
+            print(f"[{self.done + 1}/{self.total}] {label} ...", flush=True)
+
+    def finish(self, line: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.console.print(line)
+            self.bar.advance(self.task)
+        elif self.enabled:
+            print(f"[{self.done}/{self.total}] {line}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def describe(summary: dict[str, Any], skipped: bool) -> str:
+    final = summary["final"]
+    metric = f"ppl {final['perplexity']:.2f}" if "perplexity" in final else f"acc {final['accuracy']:.2f}%"
+    ratio = summary["dense_bytes"] / max(summary["bytes_sent"], 1)
+    cfg = summary["config"]
+    state = "cached" if skipped else f"{summary['train_s']:.1f} s"
+    return (f"{summary['method']['label']:<24} w={cfg['world']} link={cfg['link']:<8} {metric}  "
+            f"sent {summary['bytes_sent'] / 1e6:.2f} MB/rank ({ratio:.1f}x fewer)  "
+            f"step {summary['median_step_s'] * 1e3:.1f} ms  [{state}]")
+
+
+def run_sweep(configs: list[RunConfig], out: Path, progress: bool = True, timeout: float = 1800.0,
+              cluster_factory: Callable[[int, str], EmulatedCluster] = EmulatedCluster) -> list[dict[str, Any]]:
+    """Run every config not yet finished under `out/runs/`; return all summaries in config order."""
+    out.mkdir(parents=True, exist_ok=True)
+    summaries: list[dict[str, Any]] = []
+    bar = _Progress(len(configs), progress)
+    try:
+        for cfg in configs:
+            run_dir = out / "runs" / cfg.run_id
+            summary = finished(cfg, run_dir)
+            skipped = summary is not None
+            if summary is None:
+                bar.start(f"{cfg.method} w={cfg.world} link={cfg.link}")
+                started = time.monotonic()
+                if cfg.link == "none":
+                    summary = launch(cfg, run_dir, None, timeout)
+                else:
+                    with cluster_factory(cfg.world, cfg.link) as cluster:
+                        summary = launch(cfg, run_dir, cluster, timeout)
+                summary["elapsed_s"] = time.monotonic() - started
+                summary["command"] = command_for(cfg, out)
+                (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            summaries.append(summary)
+            bar.finish(describe(summary, skipped))
+    finally:
+        bar.close()
+    return summaries

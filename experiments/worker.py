@@ -1,0 +1,167 @@
+"""One rank of one training run: DDP over gloo with the gradwire hook, measured step by step.
+
+Started by `experiments.launch` as `python -m experiments.worker RUN_DIR RANK MASTER_ADDR PORT`
+(inside a network namespace when the cluster is emulated). Rank 0 writes `steps.jsonl`
+(one record per step and one per evaluation) and `summary.json`; every rank's byte totals
+are gathered into the summary at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import gradwire.hooks.ddp
+from .config import RunConfig
+from .tasks import Dataset, Task, digest, get_task
+
+
+def evaluate(model: torch.nn.Module, task: Task, ds: Dataset, batch: int = 1000) -> dict[str, float]:
+    """Held-out metrics: accuracy (next-byte accuracy for the LM), mean loss, and perplexity for the LM."""
+    model.eval()
+    correct = total = 0
+    loss_sum = 0.0
+    with torch.no_grad():
+        for i in range(0, len(ds.x_test), batch):
+            x, y = ds.x_test[i:i + batch], ds.y_test[i:i + batch]
+            logits = model(x)
+            if task.metric == "perplexity":
+                logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+            correct += int((logits.argmax(-1) == y).sum())
+            total += y.numel()
+    model.train()
+    out = {"accuracy": 100.0 * correct / max(total, 1), "test_loss": loss_sum / max(total, 1)}
+    if task.metric == "perplexity":
+        out["perplexity"] = math.exp(min(out["test_loss"], 50.0))
+    return out
+
+
+def make_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    if task.name == "charlm":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=0.0)
+
+
+def batches(n: int, global_batch: int, rank: int, world: int, seed: int):
+    """Per-rank index batches: a shared seeded permutation per epoch, each rank its stride of it."""
+    epoch = 0
+    while True:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        perm = torch.randperm(n, generator=g)
+        for start in range(0, n - global_batch + 1, global_batch):
+            yield epoch, perm[start + rank:start + global_batch:world]
+        epoch += 1
+
+
+def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any] | None:
+    task = get_task(cfg.task)
+    cache = Path(os.environ.get("GRADWIRE_DATA_CACHE", Path.home() / ".cache" / "gradwire" / "data"))
+    ds = task.load(Path(cfg.data_dir) if cfg.data_dir else None, cache)
+    torch.manual_seed(cfg.seed)
+    model = task.model(cfg.arch, cfg.width)
+    # own BatchNorm statistics per rank: buffer broadcasts would be traffic the hook does not count
+    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    method = cfg.resolved()
+    state = gradwire.hooks.ddp.register(ddp, method.compressor, strategy=method.strategy,
+                                        error_feedback=method.error_feedback, seed=cfg.seed, **method.options)
+    opt = make_optimizer(task, ddp, cfg.lr)
+    # cosine decay to zero over the run: final accuracies settle instead of riding the noise of a constant lr
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+    records = open(run_dir / "steps.jsonl", "w") if rank == 0 else None
+    params = sum(p.numel() for p in model.parameters())
+    totals = {"bytes_sent": 0, "bytes_received": 0, "dense_bytes": 0}
+    wall = 0.0
+    loader = batches(len(ds.x), cfg.batch * world, rank, world, cfg.seed)
+
+    def log(record: dict[str, Any]) -> None:
+        if records is not None:
+            records.write(json.dumps(record) + "\n")
+            records.flush()
+
+    def log_eval(step: int, epoch: float) -> dict[str, float]:
+        metrics = evaluate(model, task, ds) if rank == 0 else {}
+        log({"type": "eval", "step": step, "epoch": epoch, "wall_s": wall,
+             "cum_bytes_sent": totals["bytes_sent"], **metrics})
+        return metrics
+
+    dist.barrier()
+    metrics = log_eval(0, 0.0)
+    for step in range(1, cfg.steps + 1):
+        epoch, idx = next(loader)
+        x, y = ds.x[idx], ds.y[idx]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = ddp(x)
+        if task.metric == "perplexity":
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        else:
+            loss = F.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        schedule.step()
+        step_s = time.perf_counter() - t0
+        wall += step_s
+        stats = state.last_stats or {}
+        for k in totals:
+            totals[k] += int(stats.get(k, 0))
+        comm = stats.get("encode_s", 0.0) + stats.get("exchange_s", 0.0) + stats.get("decode_s", 0.0)
+        log({"type": "step", "step": step, "epoch": epoch + 1, "loss": float(loss), "step_s": step_s,
+             "compute_s": max(step_s - comm, 0.0), "encode_s": stats.get("encode_s", 0.0),
+             "exchange_s": stats.get("exchange_s", 0.0), "decode_s": stats.get("decode_s", 0.0),
+             "collectives": len(stats.get("buckets", {})),
+             "bytes_sent": int(stats.get("bytes_sent", 0)), "bytes_received": int(stats.get("bytes_received", 0)),
+             "dense_bytes": int(stats.get("dense_bytes", 0)), "cum_bytes_sent": totals["bytes_sent"], "wall_s": wall})
+        if not math.isfinite(float(loss)):
+            raise FloatingPointError(f"rank {rank}: loss became {float(loss)} at step {step}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            metrics = log_eval(step, step * cfg.batch * world / len(ds.x))
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, totals)
+    if records is not None:
+        records.close()
+    if rank != 0:
+        return None
+    step_times = [json.loads(line)["step_s"] for line in (run_dir / "steps.jsonl").open()
+                  if '"type": "step"' in line]
+    tail = sorted(step_times[len(step_times) // 5:]) or [0.0]  # skip warm-up (first 20%)
+    summary = {"run_id": cfg.run_id, "config": cfg.to_dict(), "method": vars(cfg.resolved()),
+               "params": params, "data": digest(ds), "final": metrics,
+               "bytes_sent_per_rank": [r["bytes_sent"] for r in per_rank],
+               "bytes_received_per_rank": [r["bytes_received"] for r in per_rank],
+               "dense_bytes_per_rank": [r["dense_bytes"] for r in per_rank],
+               "bytes_sent": per_rank[0]["bytes_sent"], "dense_bytes": per_rank[0]["dense_bytes"],
+               "train_s": wall, "median_step_s": tail[len(tail) // 2],
+               "steps": cfg.steps, "torch": torch.__version__}
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    run_dir, rank, addr, port = Path(argv[0]), int(argv[1]), argv[2], int(argv[3])
+    cfg = RunConfig(**json.loads((run_dir / "config.json").read_text()))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=cfg.world,
+                            timeout=timedelta(seconds=float(os.environ.get("GRADWIRE_EXPERIMENT_TIMEOUT", "300"))))
+    try:
+        summary = train(cfg, run_dir, rank, cfg.world)
+        if summary is not None:
+            tmp = run_dir / "summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=1))
+            tmp.replace(run_dir / "summary.json")  # its presence marks the run finished
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
