@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
@@ -46,8 +47,16 @@ INSTANTIATIONS: dict[str, tuple[str, ...]] = {
 
 
 def source(file: str) -> str:
-    """The text of one kernel file (headers are found through `-I KERNEL_DIR`)."""
-    return (KERNEL_DIR / file).read_text()
+    """The text of one kernel file with its local headers inlined: CuPy's disk cache is keyed
+    by the source text, so a changed header must change the text too."""
+    lines = []
+    for line in (KERNEL_DIR / file).read_text().splitlines():
+        m = re.fullmatch(r'\s*#include "([\w.]+\.cuh)"\s*', line)
+        if m:
+            lines.append(source(m.group(1)).replace("#pragma once\n", ""))  # included once per file
+        else:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,8 +64,7 @@ def module(file: str):
     """The compiled `cupy.RawModule` of a kernel file (compiled on first use)."""
     import cupy
 
-    return cupy.RawModule(code=source(file), options=OPTIONS + (f"-I{KERNEL_DIR}",),
-                          name_expressions=list(INSTANTIATIONS[file]))
+    return cupy.RawModule(code=source(file), options=OPTIONS, name_expressions=list(INSTANTIATIONS[file]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +76,7 @@ def kernel(file: str, name: str):
 
 
 def instantiation_unit(file: str) -> str:
-    """A translation unit for offline nvcc: the kernel file plus a host reference to every
-    instantiation (taking a kernel's address makes nvcc compile it)."""
+    """A translation unit for offline nvcc: exactly the source NVRTC gets, plus a host
+    reference to every instantiation (taking a kernel's address makes nvcc compile it)."""
     refs = ",\n    ".join(f"(void*)&{name}" for name in INSTANTIATIONS[file])
-    return f'#include "{KERNEL_DIR / file}"\nvoid* gradwire_refs[] = {{\n    {refs}\n}};\n'
+    return f"{source(file)}\nvoid* gradwire_refs[] = {{\n    {refs}\n}};\n"
