@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gradwire.compress import lossless, rng
+from gradwire.compress import rng
 from gradwire.compress.sparse import _ceil_key
 from gradwire.cuda import entropy, ops
 
@@ -86,6 +85,23 @@ def cases(x: torch.Tensor):
         yield "nvCOMP ANS decompress", lambda: entropy.decompress(frame, 2 * inb + 4096), frame.numel() + inb
 
 
+def bench_size(dtype: torch.dtype, n: int) -> list[dict]:
+    """The copy baseline, then every kernel, on one random input."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, device="cuda", generator=g).to(dtype)
+    dst = torch.empty_like(x)
+    name = str(dtype).replace("torch.", "")
+    copy_ms = timed(lambda: dst.copy_(x))
+    copy_gbs = 2 * x.numel() * x.element_size() / copy_ms / 1e6
+    rows = [dict(op="copy (device to device)", dtype=name, n=n, ms=copy_ms, gbs=copy_gbs, pct_copy=100.0)]
+    for op, fn, moved in cases(x):
+        ms = timed(fn)
+        gbs = moved / ms / 1e6
+        rows.append(dict(op=op, dtype=name, n=n, ms=ms, gbs=gbs, pct_copy=100.0 * gbs / copy_gbs))
+        print(f"{name:8} {n:>10} {op:28} {ms:9.3f} ms {gbs:9.1f} GB/s {rows[-1]['pct_copy']:6.1f}% of copy", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
@@ -95,24 +111,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
-    dev = torch.device("cuda")
     for dtype in DTYPES:
         for n in sizes:
-            g = torch.Generator(device=dev).manual_seed(0)
-            x = torch.randn(n, device=dev, generator=g).to(dtype)
-            dst = torch.empty_like(x)
-            copy_ms = timed(lambda: dst.copy_(x))
-            copy_gbs = 2 * x.numel() * x.element_size() / copy_ms / 1e6
-            rows.append(dict(op="copy (device to device)", dtype=str(dtype).replace("torch.", ""), n=n,
-                             ms=copy_ms, gbs=copy_gbs, pct_copy=100.0))
-            for name, fn, moved in cases(x):
-                ms = timed(fn)
-                gbs = moved / ms / 1e6
-                rows.append(dict(op=name, dtype=str(dtype).replace("torch.", ""), n=n, ms=ms, gbs=gbs,
-                                 pct_copy=100.0 * gbs / copy_gbs))
-                print(f"{rows[-1]['dtype']:8} {n:>10} {name:28} {ms:9.3f} ms {gbs:9.1f} GB/s "
-                      f"{rows[-1]['pct_copy']:6.1f}% of copy", flush=True)
-            del x, dst
+            rows += bench_size(dtype, n)
             torch.cuda.empty_cache()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
                 date=time.strftime("%Y-%m-%d"), nvcomp=entropy.use_nvcomp(),

@@ -9,8 +9,6 @@ the docstring says.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -320,10 +318,3 @@ def merge_planes(planes: torch.Tensor, itemsize: int, out: torch.Tensor) -> torc
         with on_torch_stream(planes.device):
             _launch("bytes.cu", f"planes_merge<{itemsize}>", planes.device, n, (planes, _i64(n), out))
     return out
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-__all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "math", "np", "torch")]
