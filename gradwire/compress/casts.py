@@ -20,19 +20,30 @@ class _Cast(Compressor):
         return [numel * torch.empty((), dtype=self._dtype(dtype)).element_size()]
 
     def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
-        return [Section(Kind.DATA, flat.to(self._dtype(flat.dtype)))]  # encode() copies it into the packet
+        return [Section(Kind.DATA, _to(flat, self._dtype(flat.dtype)))]  # encode() copies it into the packet
 
     def _check(self, pk: Packet) -> None:
         expect(pk, (Kind.DATA, self._dtype(pk.dtype), pk.numel))
 
     def _decode(self, pk: Packet) -> torch.Tensor:
-        return pk.section(Kind.DATA).to(pk.dtype)
+        return _to(pk.section(Kind.DATA), pk.dtype)
 
     def to_summable(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
-        return x.reshape(-1).to(self._dtype(x.dtype), copy=True)
+        flat, dtype = x.reshape(-1), self._dtype(x.dtype)
+        return _to(flat, dtype) if flat.is_cuda and flat.dtype != dtype else flat.to(dtype, copy=True)
 
     def from_summable(self, payload: torch.Tensor, like: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
-        return payload.to(like.dtype).reshape(like.shape)
+        return _to(payload.reshape(-1), like.dtype).reshape(like.shape)
+
+
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype); CUDA tensors use gradwire's cast kernel, whose rounding and NaN bits
+    match the CPU's (torch's own CUDA fp16 cast writes a different NaN)."""
+    if x.is_cuda and x.dtype != dtype and x.numel():
+        from ..cuda import ops
+
+        return ops.cast(x.contiguous(), dtype)
+    return x.to(dtype)
 
 
 @register

@@ -124,6 +124,8 @@ def encode(indices: torch.Tensor, numel: int | None = None) -> torch.Tensor:
     m = indices.numel()
     if m == 0:
         return torch.empty(0, dtype=torch.uint8, device=indices.device)
+    if indices.is_cuda:  # stay on the device (one small host read, see encode_torch)
+        return encode_torch(indices, numel)
     idx = _host(indices.reshape(-1)).astype(np.int64, copy=False)
     nb = -(-m // BLOCK)
     D = np.zeros(nb * BLOCK, dtype=np.int64)
@@ -274,3 +276,92 @@ def decode(data: torch.Tensor, count: int, numel: int) -> torch.Tensor:
     if last >= numel:
         raise WireFormatError(f"{_FIELD}: index {last} is out of range for {numel} elements")
     return torch.from_numpy(idx).to(data.device)
+
+
+# ---- device encoder ---------------------------------------------------------------------
+
+def encode_torch(indices: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+    """`encode` in torch ops on the indices' own device (CUDA tensors use it: no round trip
+    through the host except one small read of the section lengths).
+
+    Same layout and block choices as `encode`; the Exp-Golomb width estimate sums float32
+    log2s in torch's order rather than NumPy's, so a block whose mean lands within rounding
+    of a half-integer may pick the neighbouring width (the bytes differ, the indices do
+    not). Bit fields never overlap, so they are placed by integer addition into 64-bit
+    words (`index_add_`), which equals OR and is order-independent.
+    """
+    m = indices.numel()
+    dev = indices.device
+    if m == 0:
+        return torch.empty(0, dtype=torch.uint8, device=dev)
+    idx = indices.reshape(-1).to(torch.int64)
+    nb = -(-m // BLOCK)
+    D = torch.zeros(nb * BLOCK, dtype=torch.int64, device=dev)
+    D[0] = idx[0]
+    torch.sub(idx[1:], idx[:-1], out=D[1:m]).sub_(1)
+    b, eg = _choose_torch(D.view(nb, BLOCK), m)
+    bel = b.repeat_interleave(BLOCK)[:m]
+    d = D[:m]
+    q = d >> bel
+    low = d - (q << bel)
+    eg_el = eg.repeat_interleave(BLOCK)[:m]
+    v = (q + 1) * eg_el  # Exp-Golomb gaps: q + 1 = 2**L + r (0 elsewhere, L = 0)
+    L = torch.where(eg_el, torch.frexp(v.double()).exponent.to(torch.int64) - 1, torch.zeros_like(v))
+    L -= (((1 << L) > v) & eg_el).to(torch.int64)  # float64 may round a value just below a power of two up
+    r = torch.where(eg_el, v - (1 << L), torch.zeros_like(v))
+    u = torch.where(eg_el, L, q)
+    ones = torch.cumsum(u + 1, 0) - 1
+    lpos = torch.cumsum(bel, 0) - bel
+    rpos = torch.cumsum(L, 0) - L
+    # the one host read: section lengths
+    last_r = m - (nb - 1) * BLOCK
+    sizes = torch.stack([b[:-1].sum(), b[-1], ones[-1], L.sum()]).tolist()
+    lbytes = 8 * (2 * sizes[0] + (last_r * sizes[1] + 63) // 64)
+    ubytes = (sizes[2] + 1 + 7) // 8
+    rbytes = (sizes[3] + 7) // 8
+    params = (b | eg.to(torch.int64) * _EG).to(torch.uint8)
+    parts = [params, _fields_torch(low, lpos, bel, lbytes),
+             _fields_torch(torch.ones_like(ones), ones, torch.ones_like(ones), ubytes),
+             _fields_torch(r, rpos, L, rbytes)]
+    return torch.cat(parts)
+
+
+def _fields_torch(values: torch.Tensor, pos: torch.Tensor, width: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Values (< 2**width, width <= 62) at bit positions `pos`, LSB-first, in `nbytes` bytes."""
+    words = torch.zeros(nbytes // 8 + 2, dtype=torch.int64, device=values.device)
+    if values.numel():
+        w = pos >> 6
+        sh = pos & 63
+        words.index_add_(0, w, values << sh)  # bits past 63 are cut: the spill below carries them
+        spill = (sh + width > 64) & (width > 0)
+        hi = torch.where(spill, values >> (64 - sh).clamp_(max=63), torch.zeros_like(values))
+        words.index_add_(0, w + 1, hi)
+    return words.view(torch.uint8)[:nbytes].clone()
+
+
+def _choose_torch(D: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_choose` in torch ops (same candidates, costs and tie order)."""
+    nb = D.shape[0]
+    counts = torch.full((nb,), BLOCK, dtype=torch.int64, device=D.device)
+    counts[-1] = m - (nb - 1) * BLOCK
+    mean = D.sum(1).double() / counts
+    br = torch.floor(torch.log2(torch.clamp(mean * math.log(2), min=1.0))).clamp(max=MAX_WIDTH - 1).to(torch.int64)
+    logs = torch.log2(D.float() + 1.0).sum(1).double() / counts
+    be = torch.floor(logs + 0.5).clamp(1, MAX_WIDTH).to(torch.int64)
+    best_b, best_eg, best = br, torch.zeros(nb, dtype=torch.bool, device=D.device), None
+    for bb, is_eg in ((br, False), (br + 1, False), (be, True), (be - 1, True)):
+        q = D >> bb[:, None]
+        if is_eg:
+            e = (q + 1).float().view(torch.int32) >> 23
+            cost = 2 * (e.sum(1, dtype=torch.int64) - 127 * BLOCK)
+        else:
+            cost = q.sum(1)
+        cost = cost + BLOCK * bb
+        if best is None:
+            best = cost
+            continue
+        better = cost < best
+        best = torch.where(better, cost, best)
+        best_b = torch.where(better, bb, best_b)
+        best_eg = (best_eg | better) if is_eg else (best_eg & ~better)
+    return best_b, best_eg

@@ -80,6 +80,12 @@ def split_planes(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     """
     s = data.element_size()
     n = data.numel()
+    if data.is_cuda:  # one kernel: rotate and split
+        from ..cuda import ops
+
+        if out is None:
+            out = torch.empty(n * s, dtype=torch.uint8, device=data.device)
+        return ops.split_planes(data.contiguous(), out)
     raw = _rotate_left(data.contiguous()).view(torch.uint8).view(n, s)
     if out is None:
         out = torch.empty(n * s, dtype=torch.uint8, device=raw.device)
@@ -96,9 +102,13 @@ def merge_planes(planes: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | N
     """
     s = _itemsize(dtype)
     n = planes.numel() // s
-    grid = planes.view(s, n)
     if out is None:
         out = torch.empty(n * s, dtype=torch.uint8, device=planes.device)
+    if planes.is_cuda:  # one kernel: merge and rotate back
+        from ..cuda import ops
+
+        return ops.merge_planes(planes.contiguous(), s, out).view(dtype)
+    grid = planes.view(s, n)
     torch.stack(grid.unbind(0), dim=1, out=out.view(n, s))
     _rotate_right_(out.view(_INT_OF_SIZE[s]))
     return out.view(dtype)
@@ -135,7 +145,7 @@ def frame_content(inner: Packet) -> torch.Tensor:
     head = inner.header_bytes()
     total = len(head) + sum(s.nbytes for s in inner.sections)
     buf = torch.empty(total, dtype=torch.uint8, device=inner.device)
-    buf[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    wire.copy_host_bytes(buf[: len(head)], head)
     pos = len(head)
     for s in inner.sections:
         n = s.nbytes
@@ -159,7 +169,7 @@ def packet_from_content(content: torch.Tensor) -> Packet:
     total = content.numel()
     if total < _FIXED.size:
         raise WireFormatError(f"zstd frame content of {total} bytes is shorter than a packet header")
-    head = bytes(content[: _FIXED.size].numpy().tobytes())
+    head = bytes(content[: _FIXED.size].cpu().numpy().tobytes())
     ndim, nsec = head[8], head[9]
     if ndim > wire.MAX_NDIM:
         raise WireFormatError(f"zstd frame: inner ndim {ndim} exceeds {wire.MAX_NDIM}")
@@ -168,7 +178,7 @@ def packet_from_content(content: torch.Tensor) -> Packet:
     hsize = wire.header_size(ndim, nsec)
     if hsize > total:
         raise WireFormatError(f"zstd frame: inner header needs {hsize} bytes but the content has {total}")
-    table = bytes(content[_FIXED.size + 8 * ndim: hsize].numpy().tobytes())
+    table = bytes(content[_FIXED.size + 8 * ndim: hsize].cpu().numpy().tobytes())
     layout: list[tuple[torch.dtype, int]] = []
     body = 0
     for i in range(nsec):
@@ -182,7 +192,7 @@ def packet_from_content(content: torch.Tensor) -> Packet:
         body += nbytes
     if hsize + body != total:
         raise WireFormatError(f"zstd frame content is {total} bytes but its inner header describes {hsize + body}")
-    buf = torch.empty(hsize + sum(wire.align(n) for _, n in layout), dtype=torch.uint8)
+    buf = torch.empty(hsize + sum(wire.align(n) for _, n in layout), dtype=torch.uint8, device=content.device)
     buf[:hsize].copy_(content[:hsize])
     src, dst = hsize, hsize
     for dtype, n in layout:
@@ -223,6 +233,13 @@ class Zstd(Compressor):
         if content.numel() > bound:
             raise ValueError(f"zstd: a packet of {content.numel()} bytes for {inner.numel} elements exceeds "
                              f"the frame bound of {bound} bytes")
+        if content.is_cuda:
+            from ..cuda import entropy
+
+            if entropy.use_nvcomp():
+                return Packet(self.codec_id, inner.dtype, tuple(inner.shape),
+                              [Section(Kind.FRAME, entropy.compress(content))], self.crc, flags=FLAG_NVCOMP_ANS)
+            entropy.warn_host_fallback()
         host = content.cpu().numpy()
         frame = torch.frombuffer(bytearray(_cctx(self.level).compress(host)), dtype=torch.uint8)
         if inner.device.type != "cpu":
@@ -234,8 +251,12 @@ class Zstd(Compressor):
         if outer.codec != self.codec_id:
             raise WireFormatError(f"codec id {outer.codec} is not zstd's ({self.codec_id})")
         (frame,) = expect(outer, (Kind.FRAME, torch.uint8, None))
-        host = frame.cpu().contiguous().numpy()
         bound = content_bound(outer.numel)
+        if outer.flags & ~FLAG_NVCOMP_ANS:
+            raise WireFormatError(f"zstd packet has unknown flag bits {outer.flags:#04x}")
+        if outer.flags & FLAG_NVCOMP_ANS:
+            return self._check_inner(packet_from_content(_nvcomp_content(frame, bound)), outer)
+        host = frame.cpu().contiguous().numpy()
         try:
             size = zstandard.frame_content_size(host)
         except zstandard.ZstdError as e:
@@ -253,11 +274,16 @@ class Zstd(Compressor):
             raise WireFormatError(f"zstd frame declared {size} content bytes but holds {len(raw)}")
         inner = packet_from_content(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
                                     else torch.empty(0, dtype=torch.uint8))
+        inner = self._check_inner(inner, outer)
+        if outer.device.type != "cpu":
+            inner = wire.parse(inner.tensor().to(outer.device))
+        return inner
+
+    @staticmethod
+    def _check_inner(inner: Packet, outer: Packet) -> Packet:
         if inner.dtype != outer.dtype or inner.shape != outer.shape:
             raise WireFormatError(f"zstd frame holds a {inner.dtype} {inner.shape} packet but its header "
                                   f"declares {outer.dtype} {outer.shape}")
-        if outer.device.type != "cpu":
-            inner = wire.parse(inner.tensor().to(outer.device))
         return inner
 
     # ---- standalone: wrap the raw (`none`) packet ------------------------------------
@@ -278,3 +304,22 @@ class Zstd(Compressor):
 
 
 _NONE = NoCompression()
+
+#: Outer-packet flag of codec 14: the FRAME holds an nvCOMP ANS stream of the frame content
+#: (written for CUDA tensors when nvCOMP is installed) instead of a zstd frame.
+FLAG_NVCOMP_ANS = 0x01
+
+
+def _nvcomp_content(frame: torch.Tensor, bound: int) -> torch.Tensor:
+    if not frame.is_cuda:
+        raise WireFormatError("the frame is nvCOMP ANS (flag 0x01), which decodes only on a CUDA device "
+                              "with nvidia-nvcomp-cu12 or -cu13 installed")
+    from ..cuda import entropy
+
+    try:
+        return entropy.decompress(frame, bound)
+    except ImportError:
+        raise WireFormatError("the frame is nvCOMP ANS (flag 0x01): pip install nvidia-nvcomp-cu12 "
+                              "(or -cu13) to decode it") from None
+    except ValueError as e:
+        raise WireFormatError(str(e)) from None

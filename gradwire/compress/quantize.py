@@ -269,6 +269,15 @@ def _empty_f32(like: torch.Tensor, n: int) -> torch.Tensor:
     return torch.empty(n, dtype=torch.float32, device=like.device)
 
 
+def _gpu(t: torch.Tensor, n: int):
+    """gradwire.cuda.ops when `t` is a CUDA tensor with elements to work on, else None."""
+    if not (t.is_cuda and n):
+        return None
+    from ..cuda import ops
+
+    return ops
+
+
 class _Chunked(Compressor):
     """Shared helpers: chunk count and fp32 results cast to the packet dtype."""
 
@@ -309,6 +318,10 @@ class FP8(_Chunked):
 
     def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
         n, chunk, fmax = flat.numel(), self.chunk, self.fmax
+        ops = _gpu(flat, n)
+        if ops is not None:
+            scales, codes = ops.fp8_encode(flat, chunk, self.format == "e5m2", fmax, self.code_dtype)
+            return [Section(Kind.SCALES, scales), Section(Kind.DATA, codes)]
         scales = _empty_f32(flat, self._nchunks(n))
         codes = torch.empty(n, dtype=self.code_dtype, device=flat.device)
         if n:
@@ -330,6 +343,9 @@ class FP8(_Chunked):
 
     def _decode(self, pk: Packet) -> torch.Tensor:
         scales, codes = pk.section(Kind.SCALES), pk.section(Kind.DATA)
+        ops = _gpu(codes, pk.numel)
+        if ops is not None:
+            return ops.fp8_decode(codes, scales, self.chunk, self.format == "e5m2", pk.dtype)
         vals = codes.to(torch.float32)
         parts = _rows(vals, self.chunk)
         for p, f in zip(parts, _split(scales, parts)):
@@ -352,6 +368,10 @@ class Int8(_Chunked):
 
     def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
         n, chunk = flat.numel(), self.chunk
+        ops = _gpu(flat, n)
+        if ops is not None:
+            scales, offsets, codes = ops.int8_encode(flat, chunk)
+            return [Section(Kind.SCALES, scales), Section(Kind.OFFSETS, offsets), Section(Kind.DATA, codes)]
         c = self._nchunks(n)
         scales, offsets = _empty_f32(flat, c), _empty_f32(flat, c)
         codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
@@ -381,6 +401,9 @@ class Int8(_Chunked):
 
     def _decode(self, pk: Packet) -> torch.Tensor:
         scales, offsets, codes = (s.data for s in pk.sections)
+        ops = _gpu(codes, pk.numel)
+        if ops is not None:
+            return ops.int8_decode(codes, scales, offsets, self.chunk, pk.dtype)
         vals = codes.to(torch.float32).sub_(127.5)
         mid = offsets + scales * 127.5  # centred, so no step overflows when the true value fits
         parts = _rows(vals, self.chunk)
@@ -395,6 +418,7 @@ class _Stochastic(_Chunked):
 
     stochastic = True
     level_kind = Kind.DATA
+    by_norm = True  # the scale: the bucket's L2 norm (qsgd), else its max |x| (terngrad)
 
     @property
     def _chunk_size(self) -> int:
@@ -429,6 +453,9 @@ class _Stochastic(_Chunked):
         if not n:
             return self._sections(scales, signs, levels)
         key = rng.stream_key(ctx.seed, ctx.step, ctx.rank, ctx.key, stream=self.codec_id)
+        ops = _gpu(flat, n)
+        if ops is not None:
+            return self._sections(*ops.stochastic_encode(flat, self.bucket or n, self.levels, b, key, self.by_norm))
         per_tensor = self.bucket == 0
         chunk = self.bucket if not per_tensor else None
         if per_tensor:  # one scale: a pre-pass over the whole tensor
@@ -471,6 +498,10 @@ class _Stochastic(_Chunked):
     def _decode(self, pk: Packet) -> torch.Tensor:
         n = pk.numel
         scales, signs, levels = (s.data for s in pk.sections)
+        ops = _gpu(signs, n)
+        if ops is not None:
+            return ops.stochastic_decode(signs, levels, scales, n, self.bucket or n, self.levels, self.level_bits,
+                                         pk.dtype)
         vals = _unpack(levels, self.level_bits, n).to(torch.float32)
         step = scales / self.levels  # value of one level
         if self.bucket == 0:
@@ -517,6 +548,7 @@ class TernGrad(_Stochastic):
     levels = 1
     level_bits = 1
     level_kind = Kind.BITS
+    by_norm = False
 
     def _scale_rows(self, p: torch.Tensor, out: torch.Tensor) -> None:
         if p.dtype == torch.float32:
@@ -535,6 +567,10 @@ class _OneBit(_Chunked):
 
     def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
         n, chunk = flat.numel(), self.chunk
+        ops = _gpu(flat, n)
+        if ops is not None:
+            scales, bits = ops.sign_encode(flat, chunk, self.per_chunk == 2)
+            return [Section(Kind.SCALES, scales), Section(Kind.BITS, bits)]
         scales = _empty_f32(flat, self.per_chunk * self._nchunks(n))
         bits = torch.empty(_ceil(n, 8), dtype=torch.uint8, device=flat.device)
         if n:
@@ -569,6 +605,9 @@ class Sign(_OneBit):
     def _decode(self, pk: Packet) -> torch.Tensor:
         n = pk.numel
         scales, bits = pk.section(Kind.SCALES), pk.section(Kind.BITS)
+        ops = _gpu(bits, n)
+        if ops is not None:
+            return ops.sign_decode(bits, scales, n, self.chunk, False, pk.dtype)
         vals = torch.empty(n, dtype=torch.float32, device=bits.device)
         parts = _rows(vals, self.chunk)
         for p, f in zip(parts, _split(scales, parts)):
@@ -605,6 +644,9 @@ class OneBit(_OneBit):
     def _decode(self, pk: Packet) -> torch.Tensor:
         n = pk.numel
         scales, bits = pk.section(Kind.SCALES), pk.section(Kind.BITS)
+        ops = _gpu(bits, n)
+        if ops is not None:
+            return ops.sign_decode(bits, scales, n, self.chunk, True, pk.dtype)
         pairs = scales.view(-1, 2)
         neg = _unpack(bits, 1, n).view(torch.bool)
         vals = torch.empty(n, dtype=torch.float32, device=bits.device)

@@ -261,6 +261,15 @@ def _sample_keys(flat: torch.Tensor, stride: int):
     return _keys_of(ints, flat.dtype)
 
 
+def _cuda_ops(t: torch.Tensor):
+    """gradwire.cuda.ops for CUDA tensors (the kernels), else None (the reference path)."""
+    if not t.is_cuda:
+        return None
+    from ..cuda import ops
+
+    return ops
+
+
 def _everything(flat: torch.Tensor) -> torch.Tensor:
     return torch.arange(flat.numel(), device=flat.device)
 
@@ -280,6 +289,9 @@ def topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ascending int64 indices, values) of the k largest |flat|; NaN > Inf > finite,
     ties to the lowest index. `flat` is 1-D and contiguous."""
     flat = flat.detach()
+    ops = _cuda_ops(flat)
+    if ops is not None and 0 < k < flat.numel():
+        return ops.topk(flat, k)  # radix select: exact, no host sync
     done = _trivial(flat, k)
     if done is not None:
         return done
@@ -300,6 +312,9 @@ def topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dgc(flat: torch.Tensor, k: int, sample_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
     flat = flat.detach()
+    ops = _cuda_ops(flat)
+    if ops is not None and 0 < k < flat.numel():
+        return _dgc_cuda(ops, flat, k, sample_ratio)
     done = _trivial(flat, k)
     if done is not None:
         return done
@@ -326,6 +341,22 @@ def _dgc(flat: torch.Tensor, k: int, sample_ratio: float) -> tuple[torch.Tensor,
     return _pick(flat, _everything(flat), k)
 
 
+def _dgc_cuda(ops, flat: torch.Tensor, k: int, sample_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """dgc on the device: the same strided sample and rank as the CPU path, its key as the
+    threshold, compaction (one host sync for the count), the exact top k of the candidates.
+    Like the CPU path the result is always the exact top k (ties to the lowest index)."""
+    n = flat.numel()
+    if n <= _SMALL:
+        return ops.topk(flat, k)
+    stride = max(1, n // max(_DGC_MIN_SAMPLE, math.ceil(sample_ratio * n)))
+    rows = n // 16
+    by_rows = rows >= 64 * stride
+    m = -(-rows // stride) * 16 if by_rows else -(-n // stride)
+    expect = k * m / n
+    keys = ops.sample_keys(flat, stride, by_rows, m)
+    return ops.dgc(flat, k, keys, math.ceil(expect + 2.0 * math.sqrt(expect)))
+
+
 def _count_from(ratio: float, k: int | None, numel: int) -> int:
     if numel <= 0:
         return 0
@@ -342,6 +373,13 @@ def _sentinel(flat: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=flat.device)
     lo, hi = torch.aminmax(flat)
     return (lo.float() * 0).add_(hi.float() * 0)
+
+
+def _raise_if(err: torch.Tensor, message: str) -> None:
+    """Raise WireFormatError when a device-side check flagged the packet: the one host read
+    of a sparse decode on CUDA (the writes themselves were already bounds-checked)."""
+    if int(err.item()):
+        raise WireFormatError(message)
 
 
 # ---- compressors ---------------------------------------------------------------------
@@ -418,7 +456,8 @@ class _Sparse(Compressor):
                 raise WireFormatError(f"{self.name}: INDICES dtype {idx.dtype}, expected {want_dt} for numel {numel}")
             if idx.numel() != count:
                 raise WireFormatError(f"{self.name}: INDICES count {idx.numel()} != VALUES count {count}")
-            self._check_indices(idx, numel)
+            if not idx.is_cuda:  # CUDA: checked by the decode scatter on the device (docs/cuda.md)
+                self._check_indices(idx, numel)
         else:
             indexcodec.check(isec.data, count)
         if self._sentinel:
@@ -448,9 +487,19 @@ class _Sparse(Compressor):
         self._check_indices(idx, pk.numel)
         return idx
 
+    def _raw_or_decoded(self, pk: Packet) -> torch.Tensor:
+        """CUDA: raw indices as they are (the scatter kernel checks them), packed ones decoded."""
+        isec = pk.sections[0]
+        return isec.data if isec.kind == Kind.INDICES else self._indices(pk)
+
     def _decode(self, pk: Packet) -> torch.Tensor:
-        idx = self._indices(pk)  # validated before the output exists
         values = pk.sections[1].data
+        ops = _cuda_ops(values)
+        if ops is not None:
+            out, err = ops.scatter_sorted(self._raw_or_decoded(pk), values, pk.numel)
+            _raise_if(err, f"{self.name}: INDICES are out of range for {pk.numel} elements or not strictly ascending")
+            return out
+        idx = self._indices(pk)  # validated before the output exists
         out = torch.zeros(pk.numel, dtype=pk.dtype, device=values.device)
         return out.index_copy_(0, idx, values)
 
@@ -513,6 +562,10 @@ class Threshold(_Sparse):
         return None
 
     def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
+        ops = _cuda_ops(flat)
+        if ops is not None and flat.numel():
+            idx, vals = ops.at_least(flat, _ceil_key(self.threshold, flat.dtype))  # one host sync: the count
+            return self._sections(flat.numel(), idx, vals)
         idx = _candidates(flat, _ceil_key(self.threshold, flat.dtype))
         return self._sections(flat.numel(), idx, _gather(flat, idx))
 
@@ -548,6 +601,10 @@ class RandomK(_FixedK):
         return edges[:-1], edges[1:] - edges[:-1]
 
     def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = _cuda_ops(flat)
+        if ops is not None and k:
+            key = rng.stream_key(ctx.seed, ctx.step, 0, ctx.key, stream=self.codec_id)
+            return ops.randomk(flat, k, key, -(-flat.numel() // k) >= 1 << 24)
         idx = self._sample(flat.numel(), k, ctx, flat.device)
         return idx, _gather(flat, idx)
 
@@ -566,7 +623,9 @@ class RandomK(_FixedK):
 
     def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
         sections = super()._encode(flat, ctx)
-        return sections + [Section(Kind.SENTINEL, _sentinel(flat).reshape(1))]
+        ops = _cuda_ops(flat)
+        sentinel = ops.sentinel(flat) if ops is not None else _sentinel(flat).reshape(1)
+        return sections + [Section(Kind.SENTINEL, sentinel)]
 
     def _check_indices(self, idx: torch.Tensor, numel: int) -> None:
         k = idx.numel()
@@ -591,6 +650,12 @@ class RandomK(_FixedK):
         return out
 
     def _decode(self, pk: Packet) -> torch.Tensor:
+        values = pk.sections[1].data
+        ops = _cuda_ops(values)
+        if ops is not None:
+            out, err = ops.scatter_randomk(self._raw_or_decoded(pk), values, pk.numel, pk.sections[2].data)
+            _raise_if(err, f"{self.name}: INDICES are not one per stratum (out of range, out of order or forged)")
+            return out
         idx = self._indices(pk)
         return self._scatter(idx, pk.sections[1].data, pk.numel, pk.dtype, pk.sections[2].data[0])
 

@@ -167,11 +167,21 @@ def header_size(ndim: int, nsections: int) -> int:
     return _FIXED.size + 8 * ndim + _SECTION.size * nsections
 
 
+def copy_host_bytes(dst: torch.Tensor, data: bytes) -> None:
+    """dst (uint8, len(data) bytes) <- data. A CUDA destination gets an asynchronous copy
+    from pinned memory: a pageable host-to-device copy would wait for the whole stream."""
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
 def _serialize(p: Packet) -> torch.Tensor:
     device = p.device
     out = torch.empty(p.nbytes, dtype=torch.uint8, device=device)
     head = p.header_bytes()
-    out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    copy_host_bytes(out[: len(head)], head)
     pos = len(head)
     for s in p.sections:
         n = s.nbytes

@@ -1,0 +1,320 @@
+"""One function per kernel operation: torch tensors in, torch tensors out.
+
+These are the CUDA rows of the primitive-op table that compressors call for CUDA tensors
+(gradwire/compress/* keep the CPU reference). Shapes and launch configurations live
+here; arithmetic lives in `kernels/*.cu`. Nothing here synchronizes with the host except
+where a size depends on the data (`at_least`, `dgc`: one 8-byte copy of a count), which
+the docstring says.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import loader
+from .interop import max_blocks, on_torch_stream, to_cupy
+
+THREADS = 256
+TILE = 256 * 16  # elements per block in select_count / select_write (GW_TILE)
+_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+# reduction ops and per-chunk derivations (elementwise.cu)
+OP_ABSMAX, OP_MINMAX, OP_ABSSUM, OP_SQSUM, OP_PN = range(5)
+FIN_FP8, FIN_INT8, FIN_QSGD, FIN_TERN, FIN_SIGN, FIN_ONEBIT, FIN_SENTINEL = range(7)
+_OP_OF = {FIN_FP8: OP_ABSMAX, FIN_INT8: OP_MINMAX, FIN_QSGD: OP_SQSUM, FIN_TERN: OP_ABSMAX,
+          FIN_SIGN: OP_ABSSUM, FIN_ONEBIT: OP_PN, FIN_SENTINEL: OP_MINMAX}
+
+
+def _i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+def _launch(file: str, name: str, device: torch.device, work: int, args: tuple, block: int = THREADS,
+            grid: int | None = None) -> None:
+    """Launch `name` over `work` items (grid-stride kernels: the grid is capped)."""
+    if grid is None:
+        grid = max(1, min(-(-work // block), max_blocks(device.index or 0)))
+    conv = tuple(to_cupy(a) if isinstance(a, torch.Tensor) else a for a in args)
+    loader.kernel(file, name)((grid,), (block,), conv)
+
+
+def _empty(n: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(n, dtype=dtype, device=like.device)
+
+
+# ---- casts ------------------------------------------------------------------------------
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (1-D fp32/fp16/bf16) in another float dtype, rounding like torch's CPU casts (NaN bits included)."""
+    if x.dtype == dtype:
+        return x.clone()
+    y = _empty(x.numel(), dtype, x)
+    if x.numel():
+        with on_torch_stream(x.device):
+            _launch("elementwise.cu", f"cast_kernel<{_DT[x.dtype]}, {_DT[dtype]}>", x.device, x.numel(),
+                    (x, y, _i64(x.numel())))
+    return y
+
+
+# ---- per-chunk statistics ------------------------------------------------------------------
+def chunk_stats(x: torch.Tensor, chunk: int, fin: int, param: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scales, f0, f1) of each chunk of x (see seg_finish in elementwise.cu).
+
+    A chunk is cut into segments of at most 4096 elements (one warp each; at most 1024 of
+    them per chunk), whose partials one thread per chunk merges in order: deterministic.
+    """
+    n = x.numel()
+    nch = -(-n // chunk)
+    seg = max(min(chunk, 4096), -(-chunk // 1024))
+    spc = -(-chunk // seg)
+    nseg = nch * spc
+    per = 2 if fin == FIN_ONEBIT else 1
+    scales = _empty(per * nch if fin != FIN_SENTINEL else 1, torch.float32, x)
+    f0 = _empty(nch, torch.float32, x)
+    f1 = _empty(nch, torch.float32, x)
+    pa, pb = _empty(nseg, torch.float32, x), _empty(nseg, torch.float32, x)
+    pc = _empty(nseg, torch.int32, x)
+    dt, op = _DT[x.dtype], _OP_OF[fin]
+    with on_torch_stream(x.device):
+        _launch("elementwise.cu", f"seg_reduce<{dt}, {op}>", x.device, 32 * nseg,
+                (x, _i64(n), _i64(chunk), _i64(seg), _i64(spc), _i64(nseg), pa, pb, pc))
+        _launch("elementwise.cu", f"seg_finish<{op}, {fin}>", x.device, nch,
+                (pa, pb, pc, _i64(nch), _i64(spc), _i64(n), _i64(chunk), np.float32(param), scales, f0, f1))
+    return scales, f0, f1
+
+
+def _groups(n: int) -> int:
+    return -(-n // 8)
+
+
+# ---- fp8 / int8 ----------------------------------------------------------------------------
+def fp8_encode(x: torch.Tensor, chunk: int, e5m2: bool, fmax: float, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.numel()
+    scales, f0, _ = chunk_stats(x, chunk, FIN_FP8, fmax)
+    codes = _empty(n, code_dtype, x)
+    with on_torch_stream(x.device):
+        _launch("elementwise.cu", f"fp8_encode<{_DT[x.dtype]}, {int(e5m2)}>", x.device, _groups(n),
+                (x, _i64(n), _i64(chunk), f0, codes))
+    return scales, codes
+
+
+def fp8_decode(codes: torch.Tensor, scales: torch.Tensor, chunk: int, e5m2: bool, dtype: torch.dtype) -> torch.Tensor:
+    n = codes.numel()
+    y = _empty(n, dtype, codes)
+    if n:
+        with on_torch_stream(codes.device):
+            _launch("elementwise.cu", f"fp8_decode<{_DT[dtype]}, {int(e5m2)}>", codes.device, n,
+                    (codes, scales, _i64(n), _i64(chunk), y))
+    return y
+
+
+def int8_encode(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = x.numel()
+    scales, inv, offsets = chunk_stats(x, chunk, FIN_INT8)
+    codes = _empty(n, torch.uint8, x)
+    with on_torch_stream(x.device):
+        _launch("elementwise.cu", f"int8_encode<{_DT[x.dtype]}>", x.device, _groups(n),
+                (x, _i64(n), _i64(chunk), inv, offsets, codes))
+    return scales, offsets, codes
+
+
+def int8_decode(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, chunk: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    n = codes.numel()
+    y = _empty(n, dtype, codes)
+    if n:
+        with on_torch_stream(codes.device):
+            _launch("elementwise.cu", f"int8_decode<{_DT[dtype]}>", codes.device, n,
+                    (codes, scales, offsets, _i64(n), _i64(chunk), y))
+    return y
+
+
+# ---- qsgd / terngrad -----------------------------------------------------------------------
+def stochastic_encode(x: torch.Tensor, chunk: int, levels: int, bits: int, key: tuple[int, int],
+                      norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scales, sign bits, packed levels): qsgd (norm=True: L2 norms) or terngrad (max |x|).
+    `chunk` = numel for one scale over the whole tensor."""
+    n = x.numel()
+    scales, f0, _ = chunk_stats(x, chunk, FIN_QSGD if norm else FIN_TERN, float(levels))
+    g = _groups(n)
+    signs = _empty(g, torch.uint8, x)
+    packed = _empty(bits * g, torch.uint8, x)
+    with on_torch_stream(x.device):
+        _launch("elementwise.cu", f"stochastic_encode<{_DT[x.dtype]}>", x.device, g,
+                (x, _i64(n), _i64(chunk), f0, np.float32(levels), np.int32(bits),
+                 np.uint32(key[0]), np.uint32(key[1]), signs, packed))
+    return scales, signs, packed
+
+
+def stochastic_decode(signs: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, chunk: int,
+                      levels: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    y = _empty(n, dtype, signs)
+    if n:
+        with on_torch_stream(signs.device):
+            _launch("elementwise.cu", f"stochastic_decode<{_DT[dtype]}>", signs.device, n,
+                    (signs, packed, scales, _i64(n), _i64(chunk), np.float32(levels), np.int32(bits), y))
+    return y
+
+
+# ---- sign / onebit -------------------------------------------------------------------------
+def sign_encode(x: torch.Tensor, chunk: int, two_means: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, sign bits): sign's mean |x| per chunk, or onebit's (mean of x >= 0, mean of x < 0) pairs."""
+    n = x.numel()
+    scales, _, _ = chunk_stats(x, chunk, FIN_ONEBIT if two_means else FIN_SIGN)
+    bits = _empty(_groups(n), torch.uint8, x)
+    with on_torch_stream(x.device):
+        _launch("elementwise.cu", f"sign_bits<{_DT[x.dtype]}>", x.device, _groups(n), (x, _i64(n), bits))
+    return scales, bits
+
+
+def sign_decode(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int, two_means: bool,
+                dtype: torch.dtype) -> torch.Tensor:
+    y = _empty(n, dtype, bits)
+    if n:
+        name = "onebit_decode" if two_means else "sign_decode"
+        with on_torch_stream(bits.device):
+            _launch("elementwise.cu", f"{name}<{_DT[dtype]}>", bits.device, n, (bits, scales, _i64(n), _i64(chunk), y))
+    return y
+
+
+# ---- selection -----------------------------------------------------------------------------
+def _compact(x: torch.Tensor, state: torch.Tensor, mode: int, total: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ordered compaction of the selected elements: (int64 indices, values). With total=None
+    the count is data-dependent and read back (one 8-byte device-to-host copy)."""
+    n = x.numel()
+    tiles = -(-n // TILE)
+    dt = _DT[x.dtype]
+    cnt_gt, cnt_eq = _empty(tiles, torch.int32, x), _empty(tiles, torch.int32, x)
+    with on_torch_stream(x.device):
+        _launch("select.cu", f"select_count<{dt}, {mode}>", x.device, 0, (x, _i64(n), state, cnt_gt, cnt_eq),
+                grid=tiles)
+        inc_gt = torch.cumsum(cnt_gt, 0, dtype=torch.int64)
+        inc_eq = torch.cumsum(cnt_eq, 0, dtype=torch.int64)
+        if total is None:
+            total = int(inc_gt[-1])  # the one host sync: the output size depends on the data
+        idx, vals = _empty(total, torch.int64, x), _empty(total, x.dtype, x)
+        if total:
+            _launch("select.cu", f"select_write<{dt}, {mode}>", x.device, 0,
+                    (x, _i64(n), state, cnt_gt, cnt_eq, inc_gt, inc_eq, idx, vals), grid=tiles)
+    return idx, vals
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of |x| (NaN > inf > finite, ties to the lowest index), indices ascending.
+    Radix select over magnitude keys (8 bits a pass, state on the device), then an
+    ordered compaction: no host sync. Needs 0 < k < numel."""
+    state = _empty(4, torch.int64, x)
+    hist = _empty(256, torch.int64, x)
+    dt = _DT[x.dtype]
+    n = x.numel()
+    with on_torch_stream(x.device):
+        _launch("select.cu", "radix_init", x.device, 0, (state, hist, _i64(k)), grid=1)
+        for shift in ((24, 16, 8, 0) if x.dtype == torch.float32 else (8, 0)):
+            _launch("select.cu", f"radix_hist<{dt}>", x.device, n, (x, _i64(n), state, hist, np.int32(shift)))
+            _launch("select.cu", "radix_pick", x.device, 0, (state, hist, np.int32(shift)), block=32, grid=1)
+    return _compact(x, state, 0, k)
+
+
+def at_least(x: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every element whose magnitude key is >= key, in index order (one host sync: the count)."""
+    state = torch.full((4,), key, dtype=torch.int64, device=x.device)
+    return _compact(x, state, 1, None)
+
+
+def sample_keys(x: torch.Tensor, stride: int, rows: bool, m: int) -> torch.Tensor:
+    """Magnitude keys (int32) of dgc's strided sample: every stride-th run of 16 (rows) or element."""
+    keys = _empty(m, torch.int32, x)
+    with on_torch_stream(x.device):
+        _launch("select.cu", f"sample_keys<{_DT[x.dtype]}>", x.device, m,
+                (x, _i64(m), _i64(stride), np.int32(int(rows)), keys))
+    return keys
+
+
+def dgc(x: torch.Tensor, k: int, keys: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dgc: threshold = the r-th largest sampled key; compact the elements at or above it
+    (one host sync: their count); the exact top k of those, else of everything. The result
+    is the exact top k either way (the candidates hold every element of the top k)."""
+    m = keys.numel()
+    r = max(1, min(r, m))
+    ordered = torch.sort(keys).values
+    state = _empty(4, torch.int64, x)
+    with on_torch_stream(x.device):
+        _launch("select.cu", "set_threshold", x.device, 0, (ordered, _i64(m - r), state), block=32, grid=1)
+    idx, vals = _compact(x, state, 1, None)
+    if idx.numel() < k:
+        return topk(x, k)
+    if idx.numel() == k:
+        return idx, vals
+    pos, top = topk(vals, k)
+    return torch.index_select(idx, 0, pos), top
+
+
+def randomk(x: torch.Tensor, k: int, key: tuple[int, int], long_strata: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """randomk's index in each of the k strata and its value (rng.randbelow on the device)."""
+    idx, vals = _empty(k, torch.int64, x), _empty(k, x.dtype, x)
+    with on_torch_stream(x.device):
+        _launch("select.cu", f"randomk_pick<{_DT[x.dtype]}>", x.device, k,
+                (x, _i64(x.numel()), _i64(k), np.uint32(key[0]), np.uint32(key[1]), np.int32(int(long_strata)),
+                 idx, vals))
+    return idx, vals
+
+
+def sentinel(x: torch.Tensor) -> torch.Tensor:
+    """float32[1]: min * 0 + max * 0, i.e. 0 (signed like the CPU's) or NaN if x holds NaN/inf."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return chunk_stats(x, x.numel(), FIN_SENTINEL)[0]
+
+
+# ---- decode scatter -------------------------------------------------------------------------
+def _idx_type(idx: torch.Tensor) -> str:
+    return {torch.int32: "int", torch.int64: "long long"}[idx.dtype]
+
+
+def scatter_sorted(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(zeros with out[idx[j]] = vals[j], error flag int32[1]). The flag is set when an index
+    is out of range or not strictly ascending; out-of-range indices are never written."""
+    out = torch.zeros(numel, dtype=vals.dtype, device=vals.device)
+    err = torch.zeros(1, dtype=torch.int32, device=vals.device)
+    count = idx.numel()
+    if count:
+        with on_torch_stream(vals.device):
+            _launch("scatter.cu", f"scatter_sorted<{_DT[vals.dtype]}, {_idx_type(idx)}>", vals.device, count,
+                    (idx, vals, _i64(count), _i64(numel), out, err))
+    return out, err
+
+
+def scatter_randomk(idx: torch.Tensor, vals: torch.Tensor, numel: int, sentinel_value: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """randomk decode: values times their stratum length at their (checked) stratum index;
+    everything NaN when the sentinel is non-finite. Returns (out, error flag)."""
+    out = _empty(numel, vals.dtype, vals)
+    err = torch.zeros(1, dtype=torch.int32, device=vals.device)
+    k = idx.numel()
+    s = sentinel_value.reshape(1).to(torch.float32).contiguous()
+    with on_torch_stream(vals.device):
+        if numel:
+            _launch("scatter.cu", f"fill_sentinel<{_DT[vals.dtype]}>", vals.device, numel, (out, _i64(numel), s))
+        if k:
+            _launch("scatter.cu", f"scatter_randomk<{_DT[vals.dtype]}, {_idx_type(idx)}>", vals.device, k,
+                    (idx, vals, _i64(k), _i64(numel), s, out, err))
+    return out, err
+
+
+# ---- byte planes ---------------------------------------------------------------------------
+def split_planes(data: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Rotate each 2- or 4-byte float left by one bit and write its bytes as planes into `out` (uint8)."""
+    s, n = data.element_size(), data.numel()
+    if n:
+        with on_torch_stream(data.device):
+            _launch("bytes.cu", f"planes_split<{s}>", data.device, n, (data.view(torch.uint8), _i64(n), out))
+    return out
+
+
+def merge_planes(planes: torch.Tensor, itemsize: int, out: torch.Tensor) -> torch.Tensor:
+    """Inverse of `split_planes`: uint8 planes into the uint8 bytes of `out`."""
+    n = planes.numel() // itemsize
+    if n:
+        with on_torch_stream(planes.device):
+            _launch("bytes.cu", f"planes_merge<{itemsize}>", planes.device, n, (planes, _i64(n), out))
+    return out
