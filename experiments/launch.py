@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from .cluster import EmulatedCluster
 from .config import RunConfig
@@ -35,8 +36,29 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
-def launch(cfg: RunConfig, run_dir: Path, cluster: EmulatedCluster | None = None, timeout: float = 1800.0) -> dict:
-    """Run `cfg` on cfg.world ranks (in `cluster`'s namespaces when given); return rank 0's summary."""
+class _StepCounter:
+    """Counts the step records rank 0 has written so far (for a progress display)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.steps = path, 0, 0
+
+    def poll(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return self.steps
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        self.steps += complete.count(b'"type": "step"')
+        return self.steps
+
+
+def launch(cfg: RunConfig, run_dir: Path, cluster: EmulatedCluster | None = None, timeout: float = 1800.0,
+           on_step: Callable[[int], None] | None = None) -> dict:
+    """Run `cfg` on cfg.world ranks (in `cluster`'s namespaces when given); return rank 0's summary.
+    `on_step(n)` is called about once a second with the number of steps done so far."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     (run_dir / "summary.json").unlink(missing_ok=True)
@@ -60,7 +82,12 @@ def launch(cfg: RunConfig, run_dir: Path, cluster: EmulatedCluster | None = None
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env, cwd=root))
         deadline = time.monotonic() + timeout
         failed: int | None = None
+        counter = _StepCounter(run_dir / "steps.jsonl")
+        ticks = 0
         while any(p.poll() is None for p in procs):
+            ticks += 1
+            if on_step is not None and ticks % 5 == 0:
+                on_step(counter.poll())
             bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
             if bad:
                 failed = bad[0]

@@ -101,6 +101,22 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def seed_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Mean and spread over seeds, when a configuration ran with more than one seed."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["task"], r["method"], r["world"], r["link"]), []).append(r)
+    if all(len(g) < 2 for g in groups.values()):
+        return []
+    lines = ["", "## Over seeds", "", "| method | world | link | seeds | accuracy mean [%] | min | max | "
+             "bytes sent/rank (mean) |", "|---|---|---|---|---|---|---|---|"]
+    for (_, method, world, link), g in groups.items():
+        accs = [r["accuracy"] for r in g]
+        lines.append(f"| {method} | {world} | {link} | {len(g)} | {sum(accs) / len(accs):.2f} | {min(accs):.2f} | "
+                     f"{max(accs):.2f} | {_fmt_bytes(sum(r['bytes_sent'] for r in g) / len(g))} |")
+    return lines
+
+
 def markdown(rows: list[dict[str, Any]], front: list[dict[str, Any]], projections: list[dict[str, Any]],
              plots: list[str], alpha: float) -> str:
     lm = any(r["perplexity"] is not None for r in rows)
@@ -118,6 +134,7 @@ def markdown(rows: list[dict[str, Any]], front: list[dict[str, Any]], projection
         ppl = f" {r['perplexity']:.2f} |" if lm else ""
         lines.append(f"| {r['method']} | {r['world']} | {r['link']} | {r['accuracy']:.2f} |{ppl} "
                      f"{_fmt_bytes(r['bytes_sent'])} | {fewer} | {r['train_s']:.1f} | {r['median_step_s'] * 1e3:.1f} |")
+    lines += seed_table(rows)
     lines += ["", "## Pareto front (accuracy vs bytes, per task/world/link)", "",
               "| method | world | link | accuracy [%] | bytes sent/rank |", "|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['world']} | {r['link']} | {r['accuracy']:.2f} | {_fmt_bytes(r['bytes_sent'])} |"

@@ -88,15 +88,21 @@ class _Progress:
                     self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                         TimeElapsedColumn(), console=console)
                     self.task = self.bar.add_task("sweep", total=total)
+                    self.steps = self.bar.add_task("  steps", total=None, visible=False)
                     self.bar.start()
             except ImportError:
                 pass
 
-    def start(self, label: str) -> None:
+    def start(self, label: str, steps: int) -> None:
         if self.bar is not None:
             self.bar.update(self.task, description=label)
+            self.bar.reset(self.steps, total=steps, visible=True)
         elif self.enabled:
             print(f"[{self.done + 1}/{self.total}] {label} ...", flush=True)
+
+    def step(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.steps, completed=done)
 
     def finish(self, line: str) -> None:
         self.done += 1
@@ -134,13 +140,13 @@ def run_sweep(configs: list[RunConfig], out: Path, progress: bool = True, timeou
             summary = finished(cfg, run_dir)
             skipped = summary is not None
             if summary is None:
-                bar.start(f"{cfg.method} w={cfg.world} link={cfg.link}")
+                bar.start(f"{cfg.method} w={cfg.world} link={cfg.link}", cfg.steps)
                 started = time.monotonic()
                 if cfg.link == "none":
-                    summary = launch(cfg, run_dir, None, timeout)
+                    summary = launch(cfg, run_dir, None, timeout, bar.step)
                 else:
                     with cluster_factory(cfg.world, cfg.link) as cluster:
-                        summary = launch(cfg, run_dir, cluster, timeout)
+                        summary = launch(cfg, run_dir, cluster, timeout, bar.step)
                 summary["elapsed_s"] = time.monotonic() - started
                 summary["command"] = command_for(cfg, out)
                 (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -23,7 +23,7 @@ from experiments.cluster import EmulatedCluster, EmulationUnavailable, check_ava
 from experiments.config import RunConfig, expand_methods, parse_method
 from experiments.launch import RunFailed, launch
 from experiments.projection import Profile, comm_seconds, step_seconds
-from experiments.report import pareto
+from experiments.report import pareto, seed_table
 from experiments.tasks import get_task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -211,6 +211,13 @@ def test_pareto_keeps_only_undominated_runs() -> None:
     rows = [dict(base, method="a", bytes_sent=100, accuracy=90.0), dict(base, method="b", bytes_sent=10, accuracy=85.0),
             dict(base, method="c", bytes_sent=50, accuracy=80.0), dict(base, method="d", bytes_sent=10, accuracy=85.0)]
     assert [r["method"] for r in pareto(rows)] == ["b", "d", "a"]
+
+
+def test_seed_table_averages_over_seeds_only_when_there_are_several() -> None:
+    base = {"task": "t", "world": 2, "link": "none", "bytes_sent": 100}
+    assert seed_table([dict(base, method="a", accuracy=90.0), dict(base, method="b", accuracy=80.0)]) == []
+    lines = seed_table([dict(base, method="a", accuracy=90.0), dict(base, method="a", accuracy=93.0)])
+    assert "| a | 2 | none | 2 | 91.50 | 90.00 | 93.00 | 100 B |" in lines
 
 
 # ---- the emulated cluster -----------------------------------------------------------------------
