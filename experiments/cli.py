@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'default' (allreduce for summable payloads, allgather otherwise) or a gradwire strategy")
     p.add_argument("--error-feedback", default="auto", choices=["auto", "on", "off"],
                    help="auto: on for biased compressors, off for unbiased ones (randomk, qsgd, terngrad) and casts")
+    p.add_argument("--min-numel", type=int, default=1024,
+                   help="tensors with fewer elements (biases, small layers) are sent uncompressed by the allgather "
+                        "strategy: a 1%% top-k would send one value of a 64-element bias per step")
     p.add_argument("--data-dir", default=None, help="local dataset folder (cifar10: cifar-10-batches-py)")
     p.add_argument("--out", default=None, help="output folder (default: experiment-results/<task>)")
     p.add_argument("--alpha-us", type=float, default=50.0, help="per-message latency of the alpha-beta projection")
@@ -75,10 +78,12 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
         raise ValueError(f"world sizes must be >= 1, got {worlds}")
     if args.steps < 1 or args.eval_every < 1:
         raise ValueError("--steps and --eval-every must be >= 1")
+    if args.min_numel < 0:
+        raise ValueError("--min-numel must be >= 0")
     return Sweep(args.task, arch, args.width, [m.strip() for m in args.methods.split(",") if m.strip()],
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
-                 args.error_feedback, args.data_dir)
+                 args.error_feedback, args.data_dir, args.min_numel)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,9 @@ class Method:
     error_feedback: bool = True
 
 
-def parse_method(spec: str, strategy: str = "default", error_feedback: str = "auto") -> Method:
-    """Map a method string onto (compressor, strategy, options, error feedback); bad input raises ValueError."""
+def parse_method(spec: str, strategy: str = "default", error_feedback: str = "auto", min_numel: int = 0) -> Method:
+    """Map a method string onto (compressor, strategy, options, error feedback); bad input raises ValueError.
+    `min_numel` (tensors with fewer elements go uncompressed) applies to the allgather and auto strategies."""
     spec = spec.strip()
     if spec in ("none", "dense"):
         return Method("dense", "none", "dense", {}, False)
@@ -51,7 +52,8 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
         ef = head not in UNBIASED and not (c.summable and head in ("none", "fp16", "bf16"))
     else:
         ef = error_feedback == "on"
-    return Method(spec, canonical, chosen, {}, ef)
+    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto") else {}
+    return Method(spec, canonical, chosen, options, ef)
 
 
 def expand_methods(items: list[str], ratios: list[float]) -> list[str]:
@@ -90,12 +92,19 @@ class RunConfig:
     strategy: str = "default"
     error_feedback: str = "auto"
     data_dir: str | None = None
+    min_numel: int = 0  # tensors under this many elements are sent uncompressed (allgather/auto only)
 
     def resolved(self) -> Method:
-        return parse_method(self.method, self.strategy, self.error_feedback)
+        return parse_method(self.method, self.strategy, self.error_feedback, self.min_numel)
+
+    def uses_min_numel(self) -> bool:
+        return "min_numel" in self.resolved().options
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not d["min_numel"]:
+            del d["min_numel"]  # added later: runs without it keep their ids and resume
+        return d
 
     @property
     def run_id(self) -> str:

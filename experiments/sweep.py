@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +31,7 @@ class Sweep:
     strategy: str = "default"
     error_feedback: str = "auto"
     data_dir: str | None = None
+    min_numel: int = 0
 
     def runs(self) -> list[RunConfig]:
         out = []
@@ -40,8 +41,9 @@ class Sweep:
                     for method in expand_methods(self.methods, self.ratios):
                         cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
                                         self.lr, seed, self.eval_every, link, self.strategy, self.error_feedback,
-                                        self.data_dir)
-                        cfg.resolved()  # bad method strings fail here, before anything runs
+                                        self.data_dir, self.min_numel)
+                        if not cfg.uses_min_numel():  # bad method strings fail here, before anything runs
+                            cfg = replace(cfg, min_numel=0)  # irrelevant to this method: same run id either way
                         out.append(cfg)
         return out
 
@@ -55,6 +57,7 @@ def command_for(cfg: RunConfig, out: Path) -> str:
              "--out", str(out)]
     if cfg.data_dir:
         parts += ["--data-dir", cfg.data_dir]
+    parts += ["--min-numel", str(cfg.min_numel)]
     return shlex.join(parts)
 
 

@@ -48,3 +48,30 @@ def test_split_message_rejects_bad_length_tables():
     bad[:8] = torch.tensor([-1]).view(torch.uint8)
     with pytest.raises(gradwire.WireFormatError):
         split_message(bad, 2)
+
+
+def _min_numel(rank: int, world: int) -> dict:
+    s = make_strategy("allgather", TorchDistBackend(), "topk:ratio=0.01", min_numel=1000)
+    x = torch.randn(5000 + 500, generator=torch.Generator().manual_seed(rank))
+    out = s.exchange(x, "b", Ctx(rank=rank), shapes=[torch.Size([5000]), torch.Size([500])], keys=["w", "bias"]).wait()
+    return {"x": x, "out": out, "stats": s.take_stats().as_dict()}
+
+
+def test_segments_under_min_numel_travel_uncompressed():
+    a, b = run_ranks(_min_numel, 2)
+    # a 500-element segment would compress 1% top-k fine, but it is under min_numel: summed exactly
+    assert torch.equal(a["out"][5000:], a["x"][5000:] + b["x"][5000:])
+    assert (a["out"][:5000] != 0).sum() <= 2 * 50  # the big one still top-k'd
+    assert torch.equal(a["out"], b["out"])
+    assert 2000 < a["stats"]["bytes_sent"] < 2000 + 5000 * 4 / 10
+
+
+def test_strategy_options_are_checked():
+    from gradwire.comm.backend import Backend  # noqa: F401  (make_strategy fails before using it)
+
+    with pytest.raises(ValueError, match="takes min_numel"):
+        make_strategy("allgather", None, "topk", rank=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_numel must be >= 0"):
+        make_strategy("allgather", None, "topk", min_numel=-1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="takes no options"):
+        make_strategy("allreduce", None, "fp16", min_numel=10)  # type: ignore[arg-type]

@@ -117,8 +117,8 @@ class Auto(Strategy):
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
                  alpha: float | None = None, beta: float | None = None,
-                 gamma_encode: float | None = None, gamma_decode: float | None = None) -> None:
-        super().__init__(backend, compressor, error_feedback=False)
+                 gamma_encode: float | None = None, gamma_decode: float | None = None, min_numel: int = 0) -> None:
+        super().__init__(backend, compressor, error_feedback=False, min_numel=min_numel)
         if (alpha is None) != (beta is None):
             raise ValueError("give both alpha and beta to override the measured cost model, or neither")
         if (gamma_encode is None) != (gamma_decode is None):
@@ -130,7 +130,7 @@ class Auto(Strategy):
                  self.model.alpha, self.model.beta, 1e-9 / self.model.beta, *self.gamma)
         c = self.compressor
         self.subs: dict[str, Strategy] = {"dense": DenseAllreduce(backend),
-                                          "allgather": Allgather(backend, c, error_feedback)}
+                                          "allgather": Allgather(backend, c, error_feedback, min_numel)}
         if c.summable:
             self.subs["allreduce"] = Allreduce(backend, c, error_feedback)
         if c.name == "topk":
@@ -200,17 +200,21 @@ def make_strategy(name: str, backend: Backend, compressor: Compressor | str = "n
         from .powersgd import PowerSGD
 
         return PowerSGD(backend, error_feedback=error_feedback, **options)
+    if name == "allgather":
+        unknown = set(options) - {"min_numel"}
+        if unknown:
+            raise ValueError(f"strategy 'allgather' takes min_numel, got {sorted(unknown)}")
+        return Allgather(backend, c, error_feedback, **options)
     if options and name != "auto":
         raise ValueError(f"strategy {name!r} takes no options, got {sorted(options)}")
     if name == "auto":
-        unknown = set(options) - {"alpha", "beta", "gamma_encode", "gamma_decode"}
+        unknown = set(options) - {"alpha", "beta", "gamma_encode", "gamma_decode", "min_numel"}
         if unknown:
-            raise ValueError(f"strategy 'auto' takes alpha, beta, gamma_encode and gamma_decode, got {sorted(unknown)}")
+            raise ValueError(f"strategy 'auto' takes alpha, beta, gamma_encode, gamma_decode and min_numel, "
+                             f"got {sorted(unknown)}")
         return Auto(backend, c, error_feedback, **options)
     if name == "allreduce":
         return Allreduce(backend, c, error_feedback)
-    if name == "allgather":
-        return Allgather(backend, c, error_feedback)
     if name == "artopk":
         return ARTopK(backend, c, error_feedback)
     if name == "dense":

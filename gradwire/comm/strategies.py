@@ -98,10 +98,14 @@ class Strategy:
 
     name = "strategy"
 
-    def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True) -> None:
+    def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
+                 min_numel: int = 0) -> None:
+        if int(min_numel) < 0:
+            raise ValueError(f"min_numel must be >= 0, got {min_numel}")
         self.backend = backend
         self.compressor = make_compressor(compressor)
         self.feedback = ErrorFeedback(self.compressor) if error_feedback else None
+        self.min_numel = int(min_numel)
         self.stats = ExchangeStats()
 
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
@@ -115,10 +119,12 @@ class Strategy:
         return stats
 
     def compresses(self, numel: int, dtype: torch.dtype) -> bool:
-        """Whether a segment this size is worth compressing (packet smaller than dense)."""
+        """Whether a segment this size is worth compressing: at least `min_numel` elements (tiny
+        tensors such as biases starve under a 1% top-k and cost few bytes dense) and a packet
+        smaller than dense."""
         from .cost import worth_compressing
 
-        return worth_compressing(self.compressor, numel, dtype)
+        return numel >= self.min_numel and worth_compressing(self.compressor, numel, dtype)
 
     def _correct(self, x: torch.Tensor, key: str) -> torch.Tensor:
         return self.feedback.correct(x, key) if self.feedback is not None else x
@@ -217,12 +223,14 @@ class Allreduce(Strategy):
 
 class Allgather(Strategy):
     """Packets of any compressor, one message per bucket: an int64 length per segment, then
-    the segments' packets. Decoded and summed in rank order, so all ranks agree bit for bit."""
+    the segments' packets. Decoded and summed in rank order, so all ranks agree bit for bit.
+    Segments under `min_numel` elements travel uncompressed."""
 
     name = "allgather"
 
-    def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True) -> None:
-        super().__init__(backend, compressor, error_feedback)
+    def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
+                 min_numel: int = 0) -> None:
+        super().__init__(backend, compressor, error_feedback, min_numel)
         self.raw = make_compressor("none")
 
     def _codec(self, seg: Segment, dtype: torch.dtype) -> Compressor:
