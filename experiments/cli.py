@@ -105,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     started = time.monotonic()
     if args.report_only:
-        from .sweep import finished
+        from .sweep import command_for, finished
 
-        summaries = [s for c in configs if (s := finished(c, out / "runs" / c.run_id)) is not None]
+        summaries = [dict(s, command=command_for(c, out)) for c in configs
+                     if (s := finished(c, out / "runs" / c.run_id)) is not None]
     else:
         print(f"gradwire experiment: {len(configs)} runs -> {out}", file=sys.stderr)
         summaries = run_sweep(configs, out, progress=not args.no_progress, timeout=args.timeout)

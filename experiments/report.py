@@ -144,6 +144,8 @@ def markdown(rows: list[dict[str, Any]], front: list[dict[str, Any]], projection
               f"Seconds per step projected from each run's measured per-step bytes, collectives, and "
               f"compute/encode/decode time, with alpha = {alpha * 1e6:.0f} us per message and beta = the link rate "
               "(ring allreduce: 2(P-1)a + 2(P-1)/P b/B; allgather: (P-1)a + (P-1) b/B). "
+              "Compute, encode and decode times are those measured here, where ranks may share CPU cores "
+              "(then they are inflated; each rank of a real cluster has its own). "
               "Real clusters add congestion, stragglers and topology.", ""]
     for link in sorted({p["link"] for p in projections}, key=lambda s: float(s[:-4].rstrip("kmg") or 0)):
         rows_l = [p for p in projections if p["link"] == link]
@@ -169,7 +171,7 @@ def write_report(out: Path, summaries: list[dict[str, Any]], alpha: float = 50e-
     flat = [{"run_id": r["run_id"], "method": r["method"], "world": r["world"], "link": r["link"], **rec}
             for r in rows for rec in steps[r["run_id"]]]
     write_csv(out / "steps.csv", STEP_FIELDS, flat)
-    profiles = [profile(s, steps[s["run_id"]]) for s in summaries if s["config"]["link"] == "none"]
+    profiles = [profile(s, steps[s["run_id"]]) for s in summaries]
     projections = [row for link in PROJECTED_LINKS for row in table(profiles, link, alpha)]
     write_csv(out / "projection.csv", ["method", "strategy", "link"] + [f"P={n}" for n in PROJECTED_RANKS],
               projections)

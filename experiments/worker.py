@@ -8,6 +8,7 @@ are gathered into the summary at the end.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -64,6 +65,26 @@ def batches(n: int, global_batch: int, rank: int, world: int, seed: int):
         epoch += 1
 
 
+def loss_of(task: Task, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if task.metric == "perplexity":
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(logits, y)
+
+
+def reference_compute(model: torch.nn.Module, task: Task, ds: Dataset, loader, repeats: int = 10) -> float:
+    """Median seconds of forward + backward on the bare module (no DDP, no communication), run
+    by every rank at once so CPU sharing matches training: the compute term of the projection."""
+    model = copy.deepcopy(model)  # fresh parameters: DDP's autograd hooks stay out of it
+    times = []
+    for _ in range(repeats):
+        _, idx = next(loader)
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        loss_of(task, model(ds.x[idx]), ds.y[idx]).backward()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any] | None:
     task = get_task(cfg.task)
     cache = Path(os.environ.get("GRADWIRE_DATA_CACHE", Path.home() / ".cache" / "gradwire" / "data"))
@@ -102,11 +123,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         x, y = ds.x[idx], ds.y[idx]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = ddp(x)
-        if task.metric == "perplexity":
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        else:
-            loss = F.cross_entropy(logits, y)
+        loss = loss_of(task, ddp(x), y)
         loss.backward()
         opt.step()
         schedule.step()
@@ -126,6 +143,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
             raise FloatingPointError(f"rank {rank}: loss became {float(loss)} at step {step}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics = log_eval(step, step * cfg.batch * world / len(ds.x))
+    compute_ref = reference_compute(model, task, ds, loader)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, totals)
     if records is not None:
@@ -141,7 +159,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
                "bytes_received_per_rank": [r["bytes_received"] for r in per_rank],
                "dense_bytes_per_rank": [r["dense_bytes"] for r in per_rank],
                "bytes_sent": per_rank[0]["bytes_sent"], "dense_bytes": per_rank[0]["dense_bytes"],
-               "train_s": wall, "median_step_s": tail[len(tail) // 2],
+               "train_s": wall, "median_step_s": tail[len(tail) // 2], "compute_ref_s": compute_ref,
                "steps": cfg.steps, "torch": torch.__version__}
     return summary
 

@@ -255,14 +255,19 @@ def test_emulated_links_are_rate_limited_and_torn_down() -> None:
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_teardown_on_ctrl_c_and_sigterm(sig: signal.Signals) -> None:
-    code = ("import time; from experiments.cluster import EmulatedCluster\n"
+    # a background job of a non-interactive shell starts with SIGINT ignored: take Ctrl-C as a terminal would
+    code = ("import signal, time; from experiments.cluster import EmulatedCluster\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "with EmulatedCluster(2, '100mbit') as c:\n    print(' '.join(c.namespaces), flush=True); time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    assert proc.stdout is not None
-    names = set(proc.stdout.readline().split())
-    assert len(names) == 3 and names <= _namespaces()
-    proc.send_signal(sig)
-    proc.wait(timeout=30)
+    try:
+        assert proc.stdout is not None
+        names = set(proc.stdout.readline().split())
+        assert len(names) == 3 and names <= _namespaces()
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
     assert not names & _namespaces()
 
 
