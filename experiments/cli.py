@@ -116,3 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gradwire experiment: {len(summaries)} runs in {time.monotonic() - started:.0f} s; "
           f"report: {files['report.md']}", file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,6 +10,7 @@ an allgather grows with the number of packets and is scaled by (P-1)/(P_measured
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -40,8 +41,7 @@ def profile(summary: dict[str, Any], steps: list[dict[str, Any]]) -> Profile:
     rows = rows[max(len(rows) // 5, 2):] or rows
 
     def median(key: str) -> float:
-        values = sorted(float(r.get(key, 0.0)) for r in rows)
-        return values[len(values) // 2] if values else 0.0
+        return statistics.median(float(r.get(key, 0.0)) for r in rows) if rows else 0.0
 
     cfg = summary["config"]
     measured = f"{summary['method']['label']} (measured: {cfg['world']} ranks, link {cfg['link']})"

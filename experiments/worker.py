@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -49,9 +50,9 @@ def evaluate(model: torch.nn.Module, task: Task, ds: Dataset, batch: int = 1000)
 
 
 def make_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    if task.name == "charlm":
+    if task.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=lr)
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=0.0)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
 def batches(n: int, global_batch: int, rank: int, world: int, seed: int):
@@ -61,7 +62,7 @@ def batches(n: int, global_batch: int, rank: int, world: int, seed: int):
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         perm = torch.randperm(n, generator=g)
         for start in range(0, n - global_batch + 1, global_batch):
-            yield epoch, perm[start + rank:start + global_batch:world]
+            yield perm[start + rank:start + global_batch:world]
         epoch += 1
 
 
@@ -77,12 +78,12 @@ def reference_compute(model: torch.nn.Module, task: Task, ds: Dataset, loader, r
     model = copy.deepcopy(model)  # fresh parameters: DDP's autograd hooks stay out of it
     times = []
     for _ in range(repeats):
-        _, idx = next(loader)
+        idx = next(loader)
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         loss_of(task, model(ds.x[idx]), ds.y[idx]).backward()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any] | None:
@@ -103,6 +104,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
     params = sum(p.numel() for p in model.parameters())
     totals = {"bytes_sent": 0, "bytes_received": 0, "dense_bytes": 0}
     wall = 0.0
+    step_times: list[float] = []
     loader = batches(len(ds.x), cfg.batch * world, rank, world, cfg.seed)
 
     def log(record: dict[str, Any]) -> None:
@@ -110,16 +112,19 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
             records.write(json.dumps(record) + "\n")
             records.flush()
 
-    def log_eval(step: int, epoch: float) -> dict[str, float]:
+    def epochs(step: int) -> float:  # training samples seen (all ranks) / training set size
+        return step * cfg.batch * world / len(ds.x)
+
+    def log_eval(step: int) -> dict[str, float]:
         metrics = evaluate(model, task, ds) if rank == 0 else {}
-        log({"type": "eval", "step": step, "epoch": epoch, "wall_s": wall,
+        log({"type": "eval", "step": step, "epoch": epochs(step), "wall_s": wall,
              "cum_bytes_sent": totals["bytes_sent"], **metrics})
         return metrics
 
     dist.barrier()
-    metrics = log_eval(0, 0.0)
+    metrics = log_eval(0)
     for step in range(1, cfg.steps + 1):
-        epoch, idx = next(loader)
+        idx = next(loader)
         x, y = ds.x[idx], ds.y[idx]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -129,11 +134,12 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         schedule.step()
         step_s = time.perf_counter() - t0
         wall += step_s
+        step_times.append(step_s)
         stats = state.last_stats or {}
         for k in totals:
             totals[k] += int(stats.get(k, 0))
         comm = stats.get("encode_s", 0.0) + stats.get("exchange_s", 0.0) + stats.get("decode_s", 0.0)
-        log({"type": "step", "step": step, "epoch": epoch + 1, "loss": float(loss), "step_s": step_s,
+        log({"type": "step", "step": step, "epoch": epochs(step), "loss": float(loss), "step_s": step_s,
              "compute_s": max(step_s - comm, 0.0), "encode_s": stats.get("encode_s", 0.0),
              "exchange_s": stats.get("exchange_s", 0.0), "decode_s": stats.get("decode_s", 0.0),
              "collectives": len(stats.get("buckets", {})),
@@ -142,7 +148,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         if not math.isfinite(float(loss)):
             raise FloatingPointError(f"rank {rank}: loss became {float(loss)} at step {step}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            metrics = log_eval(step, step * cfg.batch * world / len(ds.x))
+            metrics = log_eval(step)
     compute_ref = reference_compute(model, task, ds, loader)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, totals)
@@ -150,16 +156,14 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         records.close()
     if rank != 0:
         return None
-    step_times = [json.loads(line)["step_s"] for line in (run_dir / "steps.jsonl").open()
-                  if '"type": "step"' in line]
-    tail = sorted(step_times[len(step_times) // 5:]) or [0.0]  # skip warm-up (first 20%)
+    steady = step_times[len(step_times) // 5:] or [0.0]  # skip warm-up (first 20%)
     summary = {"run_id": cfg.run_id, "config": cfg.to_dict(), "method": vars(cfg.resolved()),
                "params": params, "data": digest(ds), "final": metrics,
                "bytes_sent_per_rank": [r["bytes_sent"] for r in per_rank],
                "bytes_received_per_rank": [r["bytes_received"] for r in per_rank],
                "dense_bytes_per_rank": [r["dense_bytes"] for r in per_rank],
                "bytes_sent": per_rank[0]["bytes_sent"], "dense_bytes": per_rank[0]["dense_bytes"],
-               "train_s": wall, "median_step_s": tail[len(tail) // 2], "compute_ref_s": compute_ref,
+               "train_s": wall, "median_step_s": statistics.median(steady), "compute_ref_s": compute_ref,
                "steps": cfg.steps, "torch": torch.__version__}
     return summary
 
