@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
@@ -31,6 +31,11 @@ class Ctx:
     def key_of(name: str) -> int:
         """A stable integer key for a bucket or parameter name (same on every rank)."""
         return zlib.crc32(name.encode())
+
+
+#: Part of a decoded tensor: (positions in the flat tensor, their decoded values); positions
+#: are a slice or ascending int64 indices, and every element no piece covers decodes to +0.
+Piece = tuple["slice | torch.Tensor", torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,43 @@ class Compressor:
             flat = flat.contiguous()
         sections = self._encode(flat, ctx if ctx is not None else Ctx())
         return Packet(self.codec_id, x.dtype, tuple(x.shape), sections, self.crc).freeze()
+
+    def encode_sent(self, x: torch.Tensor, ctx: Ctx | None = None) -> tuple[Packet, Iterator[Piece]]:
+        """encode(x), plus what the packet decodes to as pieces (see `Piece`), made lazily.
+
+        Error feedback and DGC update their state from the pieces in place: a dense decode
+        would be a fresh full-size tensor, which costs more than the arithmetic on the CPU."""
+        packet = self.encode(x, ctx)
+        return packet, self._sent(packet)
+
+    def encode_residual(self, corrected: torch.Tensor, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
+        """Error feedback's step: encode `corrected`, then subtract in place what the packet
+        decodes to, so `corrected` becomes the new residual. Returns the packet and a 0-d
+        bool tensor: whether that residual is all finite. Quantizers fuse the subtraction
+        into their encode tiles; the default applies the pieces of `encode_sent`.
+
+        Only the pieces' positions are checked: elsewhere the residual is the input, and a
+        non-finite input element decodes non-finite somewhere (the rule every compressor
+        keeps for AMP), which makes the residual there non-finite too."""
+        from .finite import parts_finite
+
+        packet, pieces = self.encode_sent(corrected, ctx)
+        flat = corrected.view(-1)
+        sums, parts = [], []
+        for where, values in pieces:
+            if isinstance(where, slice):
+                part = flat[where].sub_(values)
+            else:
+                part = flat.index_select(0, where).sub_(values)
+                flat.index_copy_(0, where, part)
+            if part.device.type == "cpu":
+                sums.append(part.sum())
+            parts.append(part)
+        return packet, parts_finite(sums, parts)
+
+    def _sent(self, pk: Packet) -> Iterator[Piece]:
+        """The pieces of the sender's own packet (no validation); default: one dense decode."""
+        yield slice(0, pk.numel), self._decode(pk)
 
     def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Validate, then rebuild the tensor. Without `out` the result may share the

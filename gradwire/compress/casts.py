@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
-from .base import Compressor, Ctx, expect
+from .base import Compressor, Ctx, Piece, expect
 from .registry import register
 from .wire import Kind, Packet, Section
+
+
+_TILE = 1 << 18  # elements widened per step when decoding one's own packet on the CPU
 
 
 class _Cast(Compressor):
@@ -27,6 +32,18 @@ class _Cast(Compressor):
 
     def _decode(self, pk: Packet) -> torch.Tensor:
         return _to(pk.section(Kind.DATA), pk.dtype)
+
+    def _sent(self, pk: Packet) -> Iterator[Piece]:
+        """Widened tile by tile into one cache-sized scratch (no full-size decoded tensor)."""
+        data, n = pk.section(Kind.DATA), pk.numel
+        if data.dtype == pk.dtype or data.device.type != "cpu":
+            yield slice(0, n), _to(data, pk.dtype)
+            return
+        step = min(n, _TILE)
+        scratch = torch.empty(step, dtype=pk.dtype)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            yield slice(s, e), scratch[: e - s].copy_(data[s:e])
 
     def to_summable(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
         flat, dtype = x.reshape(-1), self._dtype(x.dtype)

@@ -8,12 +8,13 @@ The outermost packet carries the chain's config checksum, inner ones their stage
 from __future__ import annotations
 
 import zlib
+from typing import Iterator
 
 import torch
 
 from ..errors import WireFormatError
 from . import wire
-from .base import Compressor, Ctx, check_input, deliver
+from .base import Compressor, Ctx, Piece, check_input, deliver
 from .wire import Kind, Packet, Section
 
 
@@ -71,17 +72,27 @@ class Chain(Compressor):
         return base - wire.align(k * itemsize) + inner
 
     def encode(self, x: torch.Tensor, ctx: Ctx | None = None) -> Packet:
+        return self.encode_sent(x, ctx)[0]
+
+    def encode_sent(self, x: torch.Tensor, ctx: Ctx | None = None) -> tuple[Packet, Iterator[Piece]]:
+        """The first stage's pieces; after a value stage, its indices with the decoded values."""
         check_input(str(self), x)
         ctx = ctx if ctx is not None else Ctx()
-        p = self.first.encode(x, ctx)
-        if self.value_stage is not None:
+        if self.value_stage is None:
+            p, pieces = self.first.encode_sent(x, ctx)
+        else:
+            p, idx = self.first.encode_selected(x, ctx)  # type: ignore[attr-defined]
             inner = self.value_stage.encode(p.section(Kind.VALUES), ctx)
             p.sections = [Section(Kind.NESTED, inner.tensor()) if s.kind == Kind.VALUES else s for s in p.sections]
             p._buffer = None
+            pieces = self._value_pieces(p, idx, inner)
         if self.lossless is not None:
             p = self.lossless.wrap(p)  # type: ignore[attr-defined]
         p.config = self.crc
-        return p.freeze()
+        return p.freeze(), pieces
+
+    def _value_pieces(self, p: Packet, idx: torch.Tensor, inner: Packet) -> Iterator[Piece]:
+        yield from self.first.pieces(p, idx, self.value_stage._decode(inner))  # type: ignore[attr-defined,union-attr]
 
     def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         pk = packet if isinstance(packet, Packet) else wire.parse(packet)

@@ -7,67 +7,121 @@ is sent later instead of lost. DGC (Lin et al., 2018) accumulates momentum local
 State is keyed by bucket index or parameter name. A step whose input is not finite
 (an AMP overflow that GradScaler will skip) leaves the state untouched, so one bad
 step cannot poison every later one.
+
+Speed: the state lives in persistent buffers, updated in place. Each step writes the new
+state into a spare buffer of the same shape (the old one is still needed if the step
+turns out non-finite) and the two swap, so after the first steps no full-size tensor is
+allocated (on the CPU a fresh 100 MB tensor costs more page faults than the arithmetic).
+What the packet decodes to is subtracted by the compressor (`encode_residual`, or the
+pieces of `encode_sent` for DGC): only at the sent positions for sparsifiers, inside the
+encode tiles for quantizers; finiteness is checked there too (`finite.py`). The results are
+bit for bit those of the plain formulas above (tests/feedback_oracle.py keeps them).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from .base import Compressor, Ctx
+from .base import Compressor, Ctx, Piece
+from .finite import all_finite, parts_finite
 from .registry import compressor as make_compressor
 from .wire import Packet
 
 
+class _Spares:
+    """Spare state buffers by (shape, dtype, device): one step's new state is written into
+    a spare and the old state becomes the next spare."""
 
-def _all_finite(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor on t's device (no host sync)."""
-    return torch.isfinite(t).all()
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        free = self._free.get((like.shape, like.dtype, like.device))
+        return free.pop() if free else torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    def give(self, t: torch.Tensor) -> None:
+        self._free.setdefault((t.shape, t.dtype, t.device), []).append(t)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+def _keep(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor, spares: _Spares) -> torch.Tensor:
+    """new where the step was finite, else old; the buffer not kept goes back to spares.
+    On the CPU the flag is already known (a pointer swap); on a GPU it is chosen on the
+    device (written into old, no host sync)."""
+    if ok.device.type == "cpu":
+        keep, drop = (new, old) if bool(ok) else (old, new)
+    else:
+        keep, drop = torch.where(ok, new, old, out=old), new
+    spares.give(drop)
+    return keep
+
+
+def _check_like(what: str, name: str, x: torch.Tensor, state: torch.Tensor) -> None:
+    if state.shape != x.shape or state.dtype != x.dtype or state.device != x.device:
+        raise ValueError(f"{what} key {name!r}: tensor is {tuple(x.shape)} {x.dtype} on {x.device}, "
+                         f"but its state is {tuple(state.shape)} {state.dtype} on {state.device}")
 
 
 class ErrorFeedback:
-    """Residual memory around a compressor; `encode` returns the packet to send."""
+    """Residual memory around a compressor; `encode` returns the packet to send.
+
+    `residual(key)` is the live state: a later `encode` may reuse its memory."""
 
     def __init__(self, compressor: Compressor | str) -> None:
         self.compressor = make_compressor(compressor)
         self.residuals: dict[str, torch.Tensor] = {}
+        self._spares = _Spares()
 
     def encode(self, x: torch.Tensor, key: int | str, ctx: Ctx | None = None) -> Packet:
-        return self.encode_decode(x, key, ctx)[0]
+        """Compress x plus the stored residual and keep the new residual (in place)."""
+        name = str(key)
+        e = self.residuals.get(name)
+        if e is not None:
+            _check_like("error feedback", name, x, e)
+        buf = self._spares.take(x)
+        if e is None:
+            buf.copy_(x)
+        else:
+            torch.add(x, e, out=buf)
+        packet, ok = self.compressor.encode_residual(buf, ctx)
+        if e is None:
+            e = torch.zeros_like(buf)
+        self.residuals[name] = _keep(ok, buf, e, self._spares)
+        return packet
 
     def encode_decode(self, x: torch.Tensor, key: int | str, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
-        """Compress x plus the stored residual; return the packet and what it decodes to."""
-        corrected = self.correct(x, key)
-        packet = self.compressor.encode(corrected, ctx)
-        sent = self.compressor.decode(packet)
-        self.update(key, corrected, sent)
-        return packet, sent
+        """`encode`, and what the packet decodes to (a dense tensor)."""
+        packet = self.encode(x, key, ctx)
+        return packet, self.compressor.decode(packet)
 
     def correct(self, x: torch.Tensor, key: int | str) -> torch.Tensor:
         """x plus the residual stored under key (a new tensor; x is not modified)."""
         e = self.residuals.get(str(key))
         if e is None:
             return x.clone()
-        if e.shape != x.shape or e.dtype != x.dtype or e.device != x.device:
-            raise ValueError(f"error feedback key {str(key)!r}: tensor is {tuple(x.shape)} {x.dtype} on {x.device}, "
-                             f"but its residual is {tuple(e.shape)} {e.dtype} on {e.device}")
+        _check_like("error feedback", str(key), x, e)
         return x + e
 
     def update(self, key: int | str, corrected: torch.Tensor, sent: torch.Tensor) -> None:
         """Keep corrected - sent as the new residual, unless it is not finite (then keep the old).
-        Consumes `corrected` (it becomes the residual)."""
+        Consumes `corrected` (it becomes the residual). For callers that decode themselves
+        (summable payloads); `encode` does both steps in place."""
         name = str(key)
         residual = corrected.sub_(sent)
         old = self.residuals.get(name)
-        self.residuals[name] = torch.where(_all_finite(residual), residual,
-                                           old if old is not None else torch.zeros_like(residual))
+        self.residuals[name] = _keep(all_finite(residual), residual,
+                                     old if old is not None else torch.zeros_like(residual), self._spares)
 
     def residual(self, key: int | str) -> torch.Tensor | None:
         return self.residuals.get(str(key))
 
     def reset(self) -> None:
         self.residuals.clear()
+        self._spares.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"compressor": str(self.compressor),
@@ -76,6 +130,7 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_spec(self.compressor, state)
         self.residuals = {str(k): v.clone() for k, v in state["residuals"].items()}
+        self._spares.clear()
 
 
 class DGCMomentum:
@@ -92,35 +147,38 @@ class DGCMomentum:
         self.nesterov = bool(nesterov)
         self.u: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
+        self._spares = _Spares()
 
     def encode(self, grad: torch.Tensor, key: int | str, ctx: Ctx | None = None) -> Packet:
-        return self.encode_decode(grad, key, ctx)[0]
-
-    def encode_decode(self, grad: torch.Tensor, key: int | str, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
         name = str(key)
         u_old = self.u.get(name)
         v_old = self.v.get(name)
         if u_old is None or v_old is None:
             u_old = torch.zeros_like(grad)
             v_old = torch.zeros_like(grad)
-        elif u_old.shape != grad.shape or u_old.dtype != grad.dtype or u_old.device != grad.device:
-            raise ValueError(f"DGC key {name!r}: tensor is {tuple(grad.shape)} {grad.dtype}, "
-                             f"but its momentum is {tuple(u_old.shape)} {u_old.dtype}")
-        u = u_old * self.momentum + grad
-        v = v_old + (u * self.momentum + grad if self.nesterov else u)
-        packet = self.compressor.encode(v, ctx)
-        sent = self.compressor.decode(packet)
-        keep = sent == 0  # momentum-factor masking: clear u where a value went out
-        v.sub_(sent)
-        u.mul_(keep)
-        ok = _all_finite(v)
-        self.u[name] = torch.where(ok, u, u_old)
-        self.v[name] = torch.where(ok, v, v_old)
-        return packet, sent
+        else:
+            _check_like("DGC", name, grad, u_old)
+        m = self.momentum
+        u, v = self._spares.take(grad), self._spares.take(grad)
+        torch.mul(u_old, m, out=u).add_(grad)  # u = m*u + g
+        if self.nesterov:  # v + (m*u + g), added in the other order: IEEE addition commutes
+            torch.mul(u, m, out=v).add_(grad).add_(v_old)
+        else:
+            torch.add(v_old, u, out=v)
+        packet, pieces = self.compressor.encode_sent(v, ctx)
+        ok = _mask(u.view(-1), v.view(-1), pieces)
+        self.u[name] = _keep(ok, u, u_old, self._spares)
+        self.v[name] = _keep(ok, v, v_old, self._spares)
+        return packet
+
+    def encode_decode(self, grad: torch.Tensor, key: int | str, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
+        packet = self.encode(grad, key, ctx)
+        return packet, self.compressor.decode(packet)
 
     def reset(self) -> None:
         self.u.clear()
         self.v.clear()
+        self._spares.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"compressor": str(self.compressor), "momentum": self.momentum, "nesterov": self.nesterov,
@@ -133,6 +191,25 @@ class DGCMomentum:
         self.nesterov = bool(state["nesterov"])
         self.u = {str(k): t.clone() for k, t in state["u"].items()}
         self.v = {str(k): t.clone() for k, t in state["v"].items()}
+        self._spares.clear()
+
+
+def _mask(u: torch.Tensor, v: torch.Tensor, pieces: Iterator[Piece]) -> torch.Tensor:
+    """v -= sent; u *= (sent == 0) (momentum-factor masking), piece by piece; whether v is
+    finite (checked where pieces are, as `Compressor.encode_residual` explains)."""
+    sums, parts = [], []
+    for where, sent in pieces:
+        if isinstance(where, slice):
+            part = v[where].sub_(sent)
+            u[where].mul_(sent == 0)
+        else:
+            part = v.index_select(0, where).sub_(sent)
+            v.index_copy_(0, where, part)
+            u.index_copy_(0, where, u.index_select(0, where).mul_(sent == 0))
+        if part.device.type == "cpu":
+            sums.append(part.sum())
+        parts.append(part)
+    return parts_finite(sums, parts)
 
 
 def _check_spec(c: Compressor, state: dict[str, Any]) -> None:

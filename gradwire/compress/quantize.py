@@ -82,11 +82,12 @@ than torch's parallel grain, 32768, may sum in another order under another threa
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import torch
 
 from . import rng
-from .base import Compressor, Ctx, Param, expect
+from .base import Compressor, Ctx, Param, Piece, expect
 from .registry import register
 from .wire import Kind, Packet, Section
 
@@ -294,6 +295,34 @@ class _Chunked(Compressor):
     def _finish(vals: torch.Tensor, pk: Packet) -> torch.Tensor:
         return vals if pk.dtype == torch.float32 else vals.to(pk.dtype)
 
+    #: How each section is laid out, in order: "chunk" (per_chunk fp32 values per chunk),
+    #: "elem" (one code per element) or an int b (b bytes per group of 8 elements).
+    _layout: tuple[str | int, ...] = ()
+    per_chunk = 1
+
+    def _sent(self, pk: Packet) -> Iterator[Piece]:
+        """Decode tile by tile (whole chunks, a multiple of 8), each tile through the same
+        `_decode` as a sub-packet, so no full-size decoded tensor exists."""
+        n = pk.numel
+        step = _tile_step(n, math.lcm(self._chunk_size or 8, 8), pk.device)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            yield slice(s, e), self._decode(self._slice(pk, s, e))
+
+    def _slice(self, pk: Packet, s: int, e: int) -> Packet:
+        """The sub-packet of elements [s, e); s is a multiple of the chunk and of 8."""
+        chunk = self._chunk_size
+        sections = []
+        for sec, unit in zip(pk.sections, self._layout):
+            if unit == "chunk":
+                a, b = (0, 1) if not chunk else (s // chunk * self.per_chunk, _ceil(e, chunk) * self.per_chunk)
+            elif unit == "elem":
+                a, b = s, e
+            else:
+                a, b = s // 8 * int(unit), _ceil(e, 8) * int(unit)
+            sections.append(Section(sec.kind, sec.data[a:b]))
+        return Packet(pk.codec, pk.dtype, (e - s,), sections, pk.config)
+
 
 # ---- fp8 ------------------------------------------------------------------------------
 @register
@@ -302,6 +331,7 @@ class FP8(_Chunked):
 
     name = "fp8"
     codec_id = 4
+    _layout = ("chunk", "elem")
     params = (Param("format", str, "e4m3", lambda v: v in _FP8, "e4m3 or e5m2"),
               _chunk_param("chunk", 1024))
 
@@ -360,6 +390,7 @@ class Int8(_Chunked):
 
     name = "int8"
     codec_id = 5
+    _layout = ("chunk", "chunk", "elem")
     params = (_chunk_param("chunk", 1024),)
 
     def _section_sizes(self, numel: int, dtype: torch.dtype) -> list[int]:
@@ -423,6 +454,10 @@ class _Stochastic(_Chunked):
     @property
     def _chunk_size(self) -> int:
         return self.bucket
+
+    @property
+    def _layout(self) -> tuple[str | int, ...]:  # type: ignore[override]
+        return ("chunk", 1, self.level_bits)
 
     @property
     def levels(self) -> int:  # s
@@ -561,6 +596,7 @@ class TernGrad(_Stochastic):
 class _OneBit(_Chunked):
     params = (_chunk_param("chunk", 1024),)
     per_chunk = 1  # fp32 values per chunk
+    _layout = ("chunk", 1)
 
     def _section_sizes(self, numel: int, dtype: torch.dtype) -> list[int]:
         return [4 * self.per_chunk * self._nchunks(numel), _ceil(numel, 8)]

@@ -34,13 +34,14 @@ import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from ..errors import WireFormatError
 from . import indexcodec, rng, wire
-from .base import Compressor, Ctx, Param
+from .base import Compressor, Ctx, Param, Piece, check_input
 from .registry import register
 from .wire import Kind, Packet, Section
 
@@ -423,6 +424,31 @@ class _Sparse(Compressor):
     def _sections(self, numel: int, idx: torch.Tensor, values: torch.Tensor) -> list[Section]:
         return [self._index_section(idx, numel), Section(Kind.VALUES, values)]
 
+    def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
+        return self._selected(flat, ctx)[0]
+
+    def _selected(self, flat: torch.Tensor, ctx: Ctx) -> tuple[list[Section], torch.Tensor]:
+        """The packet's sections and the ascending int64 indices they carry."""
+        raise NotImplementedError
+
+    def encode_sent(self, x: torch.Tensor, ctx: Ctx | None = None) -> tuple[Packet, Iterator[Piece]]:
+        """One piece: the sent indices (as selected, never unpacked) and their decoded values."""
+        pk, idx = self.encode_selected(x, ctx)
+        return pk, self.pieces(pk, idx, pk.section(Kind.VALUES))
+
+    def encode_selected(self, x: torch.Tensor, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
+        """encode(x) and the ascending int64 indices it selected."""
+        check_input(self.name, x)
+        flat = x.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        sections, idx = self._selected(flat, ctx if ctx is not None else Ctx())
+        return Packet(self.codec_id, x.dtype, tuple(x.shape), sections, self.crc).freeze(), idx
+
+    def pieces(self, pk: Packet, idx: torch.Tensor, values: torch.Tensor) -> Iterator[Piece]:
+        """What a packet with these indices and (decoded) VALUES decodes to, as pieces."""
+        yield idx, values
+
     # ---- decode -------------------------------------------------------------------
     def _check(self, pk: Packet) -> None:
         want = 3 if self._sentinel else 2
@@ -505,9 +531,9 @@ class _Sparse(Compressor):
 
 
 class _FixedK(_Sparse):
-    def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
+    def _selected(self, flat: torch.Tensor, ctx: Ctx) -> tuple[list[Section], torch.Tensor]:
         idx, values = self._select(flat, self.value_count(flat.numel()), ctx)
-        return self._sections(flat.numel(), idx, values)
+        return self._sections(flat.numel(), idx, values), idx
 
     def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """(ascending int64 indices, their values as a new tensor)."""
@@ -561,13 +587,13 @@ class Threshold(_Sparse):
     def value_count(self, numel: int) -> int | None:
         return None
 
-    def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
+    def _selected(self, flat: torch.Tensor, ctx: Ctx) -> tuple[list[Section], torch.Tensor]:
         ops = _cuda_ops(flat)
         if ops is not None and flat.numel():
             idx, vals = ops.at_least(flat, _ceil_key(self.threshold, flat.dtype))  # one host sync: the count
-            return self._sections(flat.numel(), idx, vals)
+            return self._sections(flat.numel(), idx, vals), idx
         idx = _candidates(flat, _ceil_key(self.threshold, flat.dtype))
-        return self._sections(flat.numel(), idx, _gather(flat, idx))
+        return self._sections(flat.numel(), idx, _gather(flat, idx)), idx
 
 
 @register
@@ -621,11 +647,22 @@ class RandomK(_FixedK):
             off = (hi * length + ((lo * length) >> 24)) >> 24
         return start.add_(off)
 
-    def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
-        sections = super()._encode(flat, ctx)
+    def _selected(self, flat: torch.Tensor, ctx: Ctx) -> tuple[list[Section], torch.Tensor]:
+        sections, idx = super()._selected(flat, ctx)
         ops = _cuda_ops(flat)
         sentinel = ops.sentinel(flat) if ops is not None else _sentinel(flat).reshape(1)
-        return sections + [Section(Kind.SENTINEL, sentinel)]
+        return sections + [Section(Kind.SENTINEL, sentinel)], idx
+
+    def pieces(self, pk: Packet, idx: torch.Tensor, values: torch.Tensor) -> Iterator[Piece]:
+        """Values scaled by their stratum length, as `_scatter` does; an overflow sentinel
+        makes every element NaN (on the CPU a piece only then; on a GPU always, times 0)."""
+        numel, k = pk.numel, idx.numel()
+        if k:
+            _, length = self._strata(numel, k, values.device)
+            yield idx, (values.to(torch.float32) * length).to(pk.dtype)
+        nonfinite = pk.sections[2].data[0]
+        if nonfinite.is_cuda or not bool(torch.isfinite(nonfinite)):
+            yield slice(0, numel), (nonfinite.float() * 0).to(pk.dtype).expand(numel)
 
     def _check_indices(self, idx: torch.Tensor, numel: int) -> None:
         k = idx.numel()

@@ -1,0 +1,67 @@
+"""What error feedback and DGC momentum add over the bare compressor, in in-place adds.
+
+    python benchmarks/error_feedback.py [--numel 25000000] [--reps 5] [--only topk,int8]
+
+One 1-D fp32 tensor, 1 torch thread. For each compressor, in one run and interleaved so
+machine noise hits all alike: the median time of `e.add_(x)` on the same tensor (the unit),
+of `compressor.encode(x)` (bare), of `ErrorFeedback.encode(x)` and of `DGCMomentum.encode`
+after warm-up steps (steady state: its buffers exist). Printed: the times and
+(EF - bare) / add, the cost of error feedback counted in in-place adds (target <= 3).
+Not a test; numbers go to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import gradwire
+from gradwire import Ctx, DGCMomentum, ErrorFeedback
+
+SPECS = ["topk:ratio=0.01", "dgc:ratio=0.01", "randomk:ratio=0.01", "threshold:threshold=2.5",
+         "topk:ratio=0.01+fp16", "int8", "fp8", "qsgd:bits=4", "qsgd", "terngrad", "sign", "onebit",
+         "fp16", "bf16", "none"]
+DGC_SPECS = ["topk:ratio=0.01", "dgc:ratio=0.01"]
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--numel", type=int, default=25_000_000)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--only", help="comma-separated specs (default: all)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.numel, generator=gen)
+    e = torch.randn(args.numel, generator=gen) * 1e-3
+    specs = args.only.split(",") if args.only else SPECS
+    rows = [(s, "ef") for s in specs] + [(s, "dgc") for s in DGC_SPECS if not args.only or s in specs]
+    print(f"{args.numel:,} fp32 elements, 1 thread, median of {args.reps}")
+    print(f"{'compressor':26s} {'add ms':>7s} {'bare ms':>8s} {'with ms':>8s} {'extra/add':>9s}")
+    for spec, kind in rows:
+        c = gradwire.compressor(spec)
+        wrapper = ErrorFeedback(c) if kind == "ef" else DGCMomentum(c)
+        for t in range(3):  # warm-up: state and spare buffers exist afterwards
+            wrapper.encode(x, "w", Ctx(step=t))
+        adds, bare, wrapped = [], [], []
+        for t in range(args.reps):
+            adds.append(_time(lambda: e.add_(x)))
+            bare.append(_time(lambda: c.encode(x, Ctx(step=t))))
+            wrapped.append(_time(lambda: wrapper.encode(x, "w", Ctx(step=t))))
+        a, b, w = (statistics.median(v) * 1e3 for v in (adds, bare, wrapped))
+        label = spec if kind == "ef" else f"DGCMomentum({spec})"
+        print(f"{label:26s} {a:7.1f} {b:8.1f} {w:8.1f} {(w - b) / a:9.2f}", flush=True)
+        del wrapper
+
+
+if __name__ == "__main__":
+    main()
