@@ -155,19 +155,25 @@ class Compressor:
         packet = self.encode(x, ctx)
         return packet, self._sent(packet)
 
-    def encode_residual(self, corrected: torch.Tensor, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
-        """Error feedback's step: encode `corrected`, then subtract in place what the packet
-        decodes to, so `corrected` becomes the new residual. Returns the packet and a 0-d
-        bool tensor: whether that residual is all finite. Quantizers fuse the subtraction
-        into their encode tiles; the default applies the pieces of `encode_sent`.
+    def encode_residual(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
+                        ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
+        """Error feedback's step: ``out = x + residual`` (x when None), encode out, then
+        subtract in place what the packet decodes to, so out becomes the new residual.
+        Returns the packet and a 0-d bool tensor: whether that residual is all finite.
+        Quantizers and casts fuse all of it into their tiles; the default applies the
+        pieces of `encode_sent`. `out` is contiguous, shaped like x.
 
         Only the pieces' positions are checked: elsewhere the residual is the input, and a
         non-finite input element decodes non-finite somewhere (the rule every compressor
         keeps for AMP), which makes the residual there non-finite too."""
         from .finite import parts_finite
 
-        packet, pieces = self.encode_sent(corrected, ctx)
-        flat = corrected.view(-1)
+        if residual is None:
+            out.copy_(x)
+        else:
+            torch.add(x, residual, out=out)
+        packet, pieces = self.encode_sent(out, ctx)
+        flat = out.view(-1)
         sums, parts = [], []
         for where, values in pieces:
             if isinstance(where, slice):

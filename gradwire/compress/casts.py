@@ -6,7 +6,8 @@ from typing import Iterator
 
 import torch
 
-from .base import Compressor, Ctx, Piece, expect
+from .base import Compressor, Ctx, Piece, check_input, expect
+from .finite import parts_finite
 from .registry import register
 from .wire import Kind, Packet, Section
 
@@ -32,6 +33,34 @@ class _Cast(Compressor):
 
     def _decode(self, pk: Packet) -> torch.Tensor:
         return _to(pk.section(Kind.DATA), pk.dtype)
+
+    def encode_residual(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
+                        ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
+        """On the CPU, tile by tile while each is in cache: out = x + residual, cast it into
+        the packet's data, widen that back and subtract it from out, sum out for the check."""
+        n, dtype = out.numel(), self._dtype(out.dtype)
+        if out.is_cuda or not out.is_contiguous() or dtype == out.dtype or not n:
+            return super().encode_residual(x, residual, out, ctx)
+        check_input(self.name, out)
+        flat, xs = out.detach().view(-1), x.detach().reshape(-1)
+        es = None if residual is None else residual.reshape(-1)
+        data = torch.empty(n, dtype=dtype)
+        step = min(n, _TILE)
+        scratch = torch.empty(step, dtype=out.dtype)
+        sums = []
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            o = flat[s:e]
+            if es is None:
+                o.copy_(xs[s:e])
+            else:
+                torch.add(xs[s:e], es[s:e], out=o)
+            d = data[s:e]
+            d.copy_(o)
+            o.sub_(scratch[: e - s].copy_(d))
+            sums.append(o.sum())
+        packet = Packet(self.codec_id, out.dtype, tuple(out.shape), [Section(Kind.DATA, data)], self.crc).freeze()
+        return packet, parts_finite(sums, [flat])
 
     def _sent(self, pk: Packet) -> Iterator[Piece]:
         """Widened tile by tile into one cache-sized scratch (no full-size decoded tensor)."""

@@ -83,11 +83,7 @@ class ErrorFeedback:
         if e is not None:
             _check_like("error feedback", name, x, e)
         buf = self._spares.take(x)
-        if e is None:
-            buf.copy_(x)
-        else:
-            torch.add(x, e, out=buf)
-        packet, ok = self.compressor.encode_residual(buf, ctx)
+        packet, ok = self.compressor.encode_residual(x, e, buf, ctx)
         if e is None:
             e = torch.zeros_like(buf)
         self.residuals[name] = _keep(ok, buf, e, self._spares)
