@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of a few hundred elements, so small tensors take the multi-tile paths."""
+    from gradwire.compress import casts, quantize
+
+    monkeypatch.setattr(quantize, "TILE", 512)
+    monkeypatch.setattr(casts, "_TILE", 300)
 
 
 def randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:

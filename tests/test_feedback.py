@@ -235,15 +235,6 @@ def _oracle_steps(dtype, n, seed):
     return [x.to(dtype) for x in xs]
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Tiles of a few hundred elements, so small tensors take the multi-tile paths."""
-    from gradwire.compress import casts, quantize
-
-    monkeypatch.setattr(quantize, "TILE", 512)
-    monkeypatch.setattr(casts, "_TILE", 300)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("spec", ORACLE_SPECS)
 def test_in_place_error_feedback_matches_the_original_bit_for_bit(spec, dtype, small_tiles):

@@ -250,19 +250,15 @@ class Allgather(Strategy):
             self._count(key, x, nbytes, nbytes * (self.backend.world_size - 1))
             self.stats.buckets[str(key)] = "dense"
             return self._timed_allreduce(t)
-        packets, mine = [], []
+        packets = []
         for seg, c in zip(segs, codecs):
             part = seg.of(x)
             if c is self.raw:
                 packets.append(c.encode(part).tensor())
-                mine.append(part)
-                continue
-            corrected = self._correct(part, seg.key)
-            packet = c.encode(corrected, segment_ctx(ctx, seg)).tensor()
-            sent = c.decode(packet)
-            mine.append(sent)
-            self._remember(seg.key, corrected, sent)
-            packets.append(packet)
+            elif self.feedback is not None:
+                packets.append(self.feedback.encode(part, seg.key, segment_ctx(ctx, seg)).tensor())
+            else:
+                packets.append(c.encode(part, segment_ctx(ctx, seg)).tensor())
         lengths = torch.tensor([p.numel() for p in packets], dtype=torch.int64, device=x.device)
         message = torch.cat([lengths.view(torch.uint8)] + packets)
         static = [c.static_size(seg.numel, x.dtype) for seg, c in zip(segs, codecs)]
@@ -277,8 +273,8 @@ class Allgather(Strategy):
             self._count(key, x, message.numel(), sum(m.numel() for m in messages) - message.numel())
             total = torch.zeros_like(x)
             for r, m in enumerate(messages):  # rank order: bit-identical sums on every rank
-                for seg, c, own, packet in zip(segs, codecs, mine, split_message(m, len(segs))):
-                    seg.of(total).add_(own if r == rank else c.decode(packet))
+                for seg, c, packet in zip(segs, codecs, split_message(m, len(segs))):
+                    c.add_decoded(packet, seg.of(total))  # no dense decode
             if average:
                 total.div_(world)
             self.stats.decode_s += time.perf_counter() - t2

@@ -198,6 +198,19 @@ class Compressor:
         flat = self._decode(pk)
         return deliver(flat, pk, out)
 
+    def add_decoded(self, packet: Packet | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += decode(packet), bit for bit, after the same validation as `decode`, but
+        without a full-size decoded tensor where the codec allows (sparse: only the sent
+        positions; quantizers: tile by tile). For summing packets from many ranks."""
+        pk = packet if isinstance(packet, Packet) else wire.parse(packet)
+        self.check_header(pk, out)
+        _add_pieces(out.view(-1), self._received(pk))
+        return out
+
+    def _received(self, pk: Packet) -> Iterator[Piece]:
+        """The pieces of a validated packet (default: those of the sender's own)."""
+        return self._sent(pk)
+
     def check_header(self, pk: Packet, out: torch.Tensor | None, config: int | None = None) -> None:
         """Codec, config, dtype, size and section checks before any allocation."""
         if pk.codec != self.codec_id:
@@ -231,6 +244,14 @@ class Compressor:
 
     def from_summable(self, payload: torch.Tensor, like: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
         raise TypeError(f"{self.name} payloads are not summable; exchange packets by allgather")
+
+
+def _add_pieces(flat: torch.Tensor, pieces: Iterator[Piece]) -> None:
+    for where, values in pieces:
+        if isinstance(where, slice):
+            flat[where].add_(values)
+        else:
+            flat.index_copy_(0, where, flat.index_select(0, where).add_(values))
 
 
 def check_input(name: str, x: Any) -> None:

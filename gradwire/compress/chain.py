@@ -14,7 +14,7 @@ import torch
 
 from ..errors import WireFormatError
 from . import wire
-from .base import Compressor, Ctx, Piece, check_input, deliver
+from .base import Compressor, Ctx, Piece, _add_pieces, check_input, deliver
 from .wire import Kind, Packet, Section
 
 
@@ -95,6 +95,17 @@ class Chain(Compressor):
         yield from self.first.pieces(p, idx, self.value_stage._decode(inner))  # type: ignore[attr-defined,union-attr]
 
     def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        pk, config = self._unwrap(packet, out)
+        return self._decode_first(pk, config, out)
+
+    def add_decoded(self, packet: Packet | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        pk, config = self._unwrap(packet, out)
+        self.first.check_header(pk, out, config=config)
+        _add_pieces(out.view(-1), self.first._received(pk))
+        return out
+
+    def _unwrap(self, packet: Packet | torch.Tensor, out: torch.Tensor | None) -> tuple[Packet, int]:
+        """The first stage's packet (frame unwrapped, values decoded) and its config checksum."""
         pk = packet if isinstance(packet, Packet) else wire.parse(packet)
         if pk.config != self.crc:
             raise WireFormatError(f"config checksum {pk.config:#010x} does not match {str(self)!r} ({self.crc:#010x}): "
@@ -108,7 +119,7 @@ class Chain(Compressor):
             pk, inner_config = wrapped, self.first.crc
         if self.value_stage is not None:
             pk = self._decode_values(pk)
-        return self._decode_first(pk, inner_config, out)
+        return pk, inner_config
 
     def _decode_first(self, pk: Packet, config: int, out: torch.Tensor | None) -> torch.Tensor:
         self.first.check_header(pk, out, config=config)

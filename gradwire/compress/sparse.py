@@ -513,6 +513,13 @@ class _Sparse(Compressor):
         self._check_indices(idx, pk.numel)
         return idx
 
+    def _received(self, pk: Packet) -> Iterator[Piece]:
+        """The validated indices and their values (CUDA: the checked scatter, densely)."""
+        values = pk.sections[1].data
+        if values.is_cuda:
+            return super()._received(pk)
+        return self.pieces(pk, self._indices(pk), values)
+
     def _raw_or_decoded(self, pk: Packet) -> torch.Tensor:
         """CUDA: raw indices as they are (the scatter kernel checks them), packed ones decoded."""
         isec = pk.sections[0]

@@ -1,0 +1,45 @@
+"""Compressor.add_decoded: out += decode(packet) bit for bit (NaN payloads aside), validated like decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradwire
+from gradwire import Ctx, WireFormatError
+
+from conftest import bits, randn
+from test_feedback import ORACLE_SPECS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", ORACLE_SPECS)
+def test_add_decoded_is_a_dense_add_of_the_decode(spec, dtype, small_tiles):
+    c = gradwire.compressor(spec)
+    for n in (1, 37, 3000):
+        x = randn(n, seed=n).to(dtype)
+        base = randn(n, seed=n + 1).to(dtype)
+        base[: n // 3] = 0.0  # an untouched +0 must stay +0 (and -0 + 0 would not)
+        if n > 10:
+            x[7] = float("nan")  # non-finite input: the positions it decodes to must match too
+        for t in range(2):
+            packet = c.encode(x if t else x.nan_to_num(), Ctx(step=t, seed=1))
+            want = base + c.decode(packet.tensor())
+            got = c.add_decoded(packet.tensor(), base.clone())
+            nan = want.isnan()
+            assert torch.equal(got.isnan(), nan)  # NaN payloads may differ (kernels differ), positions not
+            assert torch.equal(bits(got)[~nan], bits(want)[~nan])
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "randomk:ratio=0.1", "int8", "fp16", "topk:ratio=0.1+fp16"])
+def test_add_decoded_validates_like_decode(spec):
+    c = gradwire.compressor(spec)
+    packet = c.encode(randn(500)).tensor()
+    other = gradwire.compressor("qsgd:bits=3").encode(randn(500)).tensor()
+    with pytest.raises(WireFormatError):
+        c.add_decoded(other, torch.zeros(500))
+    with pytest.raises(WireFormatError):
+        c.add_decoded(packet, torch.zeros(499))
+    out = torch.zeros(500)
+    c.add_decoded(packet, out)
+    assert torch.equal(out, c.decode(packet))
