@@ -3,7 +3,8 @@
     python benchmarks/hooks_vs_torch.py [--steps 20] [--rounds 3] [--json out.json]
 
 Model: an MLP of 6.3M fp32 parameters (1024 -> 2048 -> 1024 -> 2048 -> 10), batch 32, SGD,
-1 torch thread per rank. Configurations, each its own DDP replica of the same model:
+1 torch thread per rank, one gradient bucket (`bucket_cap_mb=100`, see BUCKET_MB).
+Configurations, each its own DDP replica of the same model:
 DDP's default allreduce; torch's `fp16_compress_hook` beside gradwire `fp16` (allreduce,
 no error feedback, compressing from the first step as torch does); torch's `powerSGD_hook`
 (rank 4, start_powerSGD_iter 2, error feedback and warm start) beside gradwire `powersgd`
@@ -48,6 +49,8 @@ CONFIGS = [  # (label, kind, options); "pair" names the torch hook a gradwire ro
                                              "error_feedback": True, "start_iter": START}),
 ]
 BATCH = 32
+BUCKET_MB = 100  # one bucket for every replica: with several, torch's powerSGD_hook issues its
+# collectives from future callbacks in an order that can differ between gloo ranks (and hangs)
 
 
 def model() -> nn.Module:
@@ -63,7 +66,7 @@ def _replica(kind: str, options: dict):
 
     from gradwire.hooks import ddp as gw
 
-    ddp = DDP(model())
+    ddp = DDP(model(), bucket_cap_mb=BUCKET_MB)
     if kind == "torch-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif kind == "torch-powersgd":

@@ -166,6 +166,7 @@ class PowerSGD(Strategy):
         self.q_memory: dict[str, torch.Tensor] = {}  # per segment key: last averaged Q (m x r), the warm start
         self.seen: set[str] = set()  # segment keys already exchanged (a bucket of new ones draws a seed)
         self._layouts: dict[str, tuple[tuple, _Layout]] = {}
+        self._buffers: dict[str, list[torch.Tensor]] = {}  # per bucket: corrected-gradient buffers
 
     # ---- helpers -------------------------------------------------------------------
     def layout(self, key: int | str, numel: int, shapes: list | None, keys: list[str] | None) -> _Layout:
@@ -185,11 +186,11 @@ class PowerSGD(Strategy):
             self._layouts[name] = cached
         return cached[1]
 
-    def _corrected(self, x: torch.Tensor, lay: _Layout) -> torch.Tensor:
-        """x plus each segment's stored error (a new tensor; x is not modified)."""
+    def _corrected(self, x: torch.Tensor, key: int | str, lay: _Layout) -> torch.Tensor:
+        """x plus each segment's stored error (another tensor; x is not modified)."""
         if self.feedback is None:
             return x
-        out = x.clone()
+        out = self._spare(x, str(key), lay).copy_(x)
         offset = 0
         for k, size in zip(lay.keys, lay.sizes):
             e = self.feedback.residual(k)
@@ -200,6 +201,21 @@ class PowerSGD(Strategy):
                 out[offset:offset + size].add_(e)
             offset += size
         return out
+
+    def _spare(self, x: torch.Tensor, key: str, lay: _Layout) -> torch.Tensor:
+        """A bucket-sized buffer no stored error lives in. The errors are views of the last
+        corrected bucket (normally), so two buffers per bucket take turns; a fresh one only
+        when a non-finite step left errors in both."""
+        live = {e.untyped_storage().data_ptr() for e in map(self.feedback.residual, lay.keys)  # type: ignore[union-attr]
+                if e is not None}
+        pair = self._buffers.setdefault(key, [])
+        for buf in pair:
+            if buf.shape == x.shape and buf.dtype == x.dtype and buf.device == x.device \
+                    and buf.untyped_storage().data_ptr() not in live:
+                return buf
+        buf = torch.empty_like(x)
+        pair[:] = (pair + [buf])[-2:]
+        return buf
 
     def _start_q(self, lay: _Layout, like: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """This step's orthonormal Qs (one flat buffer) and, per matrix, the memory it came from."""
@@ -234,7 +250,7 @@ class PowerSGD(Strategy):
             raise ValueError(f"powersgd exchanges flat buckets, got shape {tuple(x.shape)}")
         world = self.backend.world_size
         lay = self.layout(key, x.numel(), shapes, keys)
-        corrected = self._corrected(x, lay)
+        corrected = self._corrected(x, key, lay)
 
         q, q_olds = self._start_q(lay, x)
         mats = [corrected[t.offset:t.offset + t.n * t.m].view(1, t.n, t.m) for t in lay.mats]
@@ -274,7 +290,7 @@ class PowerSGD(Strategy):
         t0 = time.perf_counter()
         self.stats.exchange_s += t0 - launched
         world = self.backend.world_size
-        out = torch.empty_like(x)
+        out = x if self.into_input else torch.empty_like(x)  # x is not read again
         if lay.dense_numel:
             if average:
                 dense.div_(world)

@@ -107,6 +107,9 @@ class Strategy:
         self.feedback = ErrorFeedback(self.compressor) if error_feedback else None
         self.min_numel = int(min_numel)
         self.stats = ExchangeStats()
+        #: the result may be written into the exchanged tensor (the DDP hook's bucket buffer,
+        #: which torch's own hooks overwrite too); otherwise results are fresh tensors
+        self.into_input = False
 
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
@@ -191,6 +194,8 @@ class Allreduce(Strategy):
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         t0 = time.perf_counter()
+        if self.feedback is None and getattr(self.compressor, "elementwise", False):
+            return self._whole(x, key, ctx, average, t0)
         segs = segments_of(x, key, shapes, keys)
         payloads = []
         for seg in segs:
@@ -215,6 +220,30 @@ class Allreduce(Strategy):
             out = torch.empty_like(x)
             for seg, part in zip(segs, torch.split(summed, sizes)):
                 seg.of(out).copy_(self.compressor.from_summable(part, seg.of(x), segment_ctx(ctx, seg)))
+            self.stats.decode_s += time.perf_counter() - t2
+            return out
+
+        return self.backend.allreduce(payload).then(finish)
+
+    def _whole(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool, t0: float) -> Work[torch.Tensor]:
+        """An elementwise cast without error feedback: the bucket converted at once (the same
+        bits as segment by segment), as torch's fp16 hook does, and widened into x's memory
+        on the way back: no per-segment work, no concatenation, no fresh output."""
+        payload = self.compressor.to_summable(x, ctx)
+        if average:
+            payload.div_(self.backend.world_size)
+        t1 = time.perf_counter()
+        self.stats.encode_s += t1 - t0
+        nbytes = payload.numel() * payload.element_size()
+        self._count(key, x, nbytes, nbytes * (self.backend.world_size - 1))
+
+        def finish(summed: torch.Tensor) -> torch.Tensor:
+            t2 = time.perf_counter()
+            self.stats.exchange_s += t2 - t1
+            if self.into_input and not x.is_cuda:  # (CUDA: gradwire's cast kernel sets NaN bits)
+                out = x.copy_(summed.view(x.shape))
+            else:
+                out = self.compressor.from_summable(summed, x, ctx)
             self.stats.decode_s += time.perf_counter() - t2
             return out
 

@@ -18,6 +18,7 @@ _TILE = 1 << 18  # elements widened per step when decoding one's own packet on t
 class _Cast(Compressor):
     wire_dtype: torch.dtype | None = None  # None: keep the input dtype
     summable = True
+    elementwise = True  # each element is cast on its own: a bucket may be cast at once
 
     def _dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype or dtype

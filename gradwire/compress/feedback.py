@@ -48,15 +48,16 @@ class _Spares:
         self._free.clear()
 
 
-def _keep(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor, spares: _Spares) -> torch.Tensor:
-    """new where the step was finite, else old; the buffer not kept goes back to spares.
-    On the CPU the flag is already known (a pointer swap); on a GPU it is chosen on the
-    device (written into old, no host sync)."""
+def _keep(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor, spares: _Spares | None) -> torch.Tensor:
+    """new where the step was finite, else old; the buffer not kept goes back to spares
+    (if given). On the CPU the flag is already known (a pointer swap); on a GPU it is
+    chosen on the device (written into old, no host sync)."""
     if ok.device.type == "cpu":
         keep, drop = (new, old) if bool(ok) else (old, new)
     else:
         keep, drop = torch.where(ok, new, old, out=old), new
-    spares.give(drop)
+    if spares is not None:
+        spares.give(drop)
     return keep
 
 
@@ -109,8 +110,8 @@ class ErrorFeedback:
         name = str(key)
         residual = corrected.sub_(sent)
         old = self.residuals.get(name)
-        self.residuals[name] = _keep(all_finite(residual), residual,
-                                     old if old is not None else torch.zeros_like(residual), self._spares)
+        self.residuals[name] = _keep(all_finite(residual), residual,  # (foreign memory: no spares)
+                                     old if old is not None else torch.zeros_like(residual), None)
 
     def residual(self, key: int | str) -> torch.Tensor | None:
         return self.residuals.get(str(key))

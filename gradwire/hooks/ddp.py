@@ -114,6 +114,7 @@ class GradwireState:
                 options.setdefault("seed", self.seed)  # PowerSGD's shared random init
             self._strategy = make_strategy(self.strategy_name, backend, self.compressor,
                                            error_feedback=self.error_feedback, **options)
+            self._strategy.into_input = True  # the bucket buffer may hold the result, as in torch's hooks
             self._dense = DenseAllreduce(backend)
             if hasattr(self._strategy, "plan_sizes"):
                 self._strategy.plan_sizes = self._param_sizes
