@@ -6,6 +6,7 @@ from typing import Iterator
 
 import torch
 
+from . import wire
 from .base import Compressor, Ctx, Piece, check_input, expect
 from .finite import parts_finite
 from .registry import register
@@ -29,6 +30,16 @@ class _Cast(Compressor):
     def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
         return [Section(Kind.DATA, _to(flat, self._dtype(flat.dtype)))]  # encode() copies it into the packet
 
+    def encode(self, x: torch.Tensor, ctx: Ctx | None = None) -> Packet:
+        """On the CPU the cast writes straight into the packet's buffer (no copy of the data)."""
+        if not isinstance(x, torch.Tensor) or x.is_cuda:
+            return super().encode(x, ctx)
+        check_input(self.name, x)
+        packet = wire.allocate(self.codec_id, x.dtype, tuple(x.shape), [(Kind.DATA, self._dtype(x.dtype), x.numel())],
+                               self.crc)
+        packet.sections[0].data.copy_(x.detach().reshape(-1))
+        return packet
+
     def _check(self, pk: Packet) -> None:
         expect(pk, (Kind.DATA, self._dtype(pk.dtype), pk.numel))
 
@@ -45,7 +56,8 @@ class _Cast(Compressor):
         check_input(self.name, out)
         flat, xs = out.detach().view(-1), x.detach().reshape(-1)
         es = None if residual is None else residual.reshape(-1)
-        data = torch.empty(n, dtype=dtype)
+        packet = wire.allocate(self.codec_id, out.dtype, tuple(out.shape), [(Kind.DATA, dtype, n)], self.crc)
+        data = packet.sections[0].data
         step = min(n, _TILE)
         scratch = torch.empty(step, dtype=out.dtype)
         sums = []
@@ -60,7 +72,6 @@ class _Cast(Compressor):
             d.copy_(o)
             o.sub_(scratch[: e - s].copy_(d))
             sums.append(o.sum())
-        packet = Packet(self.codec_id, out.dtype, tuple(out.shape), [Section(Kind.DATA, data)], self.crc).freeze()
         return packet, parts_finite(sums, [flat])
 
     def _sent(self, pk: Packet) -> Iterator[Piece]:

@@ -163,6 +163,27 @@ class Packet:
         return head
 
 
+def allocate(codec: int, dtype: torch.dtype, shape: tuple[int, ...], layout: list[tuple[Kind, torch.dtype, int]],
+             config: int = 0, device: torch.device | str = "cpu") -> Packet:
+    """A frozen packet whose sections (kind, dtype, element count) are views of its one
+    buffer, header and padding written, contents left for the encoder to fill in place:
+    saves the copy `freeze` makes of separately built sections."""
+    sections = [Section(kind, torch.empty(0, dtype=dt)) for kind, dt, _ in layout]
+    pk = Packet(codec, dtype, shape, sections, config)
+    head = header_size(len(shape), len(layout))
+    sizes = [count * torch.empty((), dtype=dt).element_size() for _, dt, count in layout]
+    buf = torch.empty(head + sum(align(n) for n in sizes), dtype=torch.uint8, device=device)
+    pos = head
+    for sec, (_, dt, count), n in zip(sections, layout, sizes):
+        sec.data = buf[pos: pos + n].view(dt)
+        buf[pos + n: pos + align(n)].zero_()
+        pos += align(n)
+    assert sum(s.nbytes for s in sections) == sum(sizes)
+    copy_host_bytes(buf[:head], pk.header_bytes())
+    pk._buffer = buf
+    return pk
+
+
 def header_size(ndim: int, nsections: int) -> int:
     return _FIXED.size + 8 * ndim + _SECTION.size * nsections
 

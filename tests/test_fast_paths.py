@@ -1,4 +1,5 @@
-"""Compressor.add_decoded: out += decode(packet) bit for bit (NaN payloads aside), validated like decode."""
+"""Speed paths that must not change results: add_decoded (out += decode(packet), bit for bit
+but NaN payloads, validated like decode) and casts encoding straight into the packet buffer."""
 
 from __future__ import annotations
 
@@ -43,3 +44,15 @@ def test_add_decoded_validates_like_decode(spec):
     out = torch.zeros(500)
     c.add_decoded(packet, out)
     assert torch.equal(out, c.decode(packet))
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_casts_write_into_the_packet_the_bytes_of_the_generic_encode(spec, dtype):
+    from gradwire.compress.base import Compressor
+
+    c = gradwire.compressor(spec)
+    x = (randn(1001) * 1e5).to(dtype)  # overflows fp16
+    x[3], x[5] = float("nan"), float("-inf")
+    for t in (x.view(7, 143), x.view(7, 143).t(), x[:0]):
+        assert torch.equal(c.encode(t).tensor(), Compressor.encode(c, t).tensor())
