@@ -172,7 +172,9 @@ class Auto(Strategy):
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         sizes = [s.numel for s in segments_of(x, key, shapes, keys)]
-        return self.subs[self.choose(sizes, x.dtype)].exchange(x, key, ctx, average, shapes, keys)
+        sub = self.subs[self.choose(sizes, x.dtype)]
+        sub.into_input = self.into_input
+        return sub.exchange(x, key, ctx, average, shapes, keys)
 
     def take_stats(self) -> ExchangeStats:
         stats = ExchangeStats()

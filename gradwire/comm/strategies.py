@@ -172,7 +172,7 @@ class DenseAllreduce(Strategy):
 
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
-        t = x.clone()
+        t = x if self.into_input else x.clone()
         if average:
             t.div_(self.backend.world_size)
         nbytes = t.numel() * t.element_size()
@@ -198,8 +198,12 @@ class Allreduce(Strategy):
             return self._whole(x, key, ctx, average, t0)
         segs = segments_of(x, key, shapes, keys)
         payloads = []
+        fused = self.feedback is not None and getattr(self.compressor, "elementwise", False)
         for seg in segs:
             part, sctx = seg.of(x), segment_ctx(ctx, seg)
+            if fused:  # a cast's payload is its packet's data: error feedback in place, in one pass
+                payloads.append(self.feedback.encode(part, seg.key, sctx).sections[0].data)  # type: ignore[union-attr]
+                continue
             corrected = self._correct(part, seg.key)
             payload = self.compressor.to_summable(corrected, sctx)
             if self.feedback is not None:
@@ -300,7 +304,7 @@ class Allgather(Strategy):
             t2 = time.perf_counter()
             self.stats.exchange_s += t2 - t1
             self._count(key, x, message.numel(), sum(m.numel() for m in messages) - message.numel())
-            total = torch.zeros_like(x)
+            total = x.zero_() if self.into_input else torch.zeros_like(x)  # x was read by the encode only
             for r, m in enumerate(messages):  # rank order: bit-identical sums on every rank
                 for seg, c, packet in zip(segs, codecs, split_message(m, len(segs))):
                     c.add_decoded(packet, seg.of(total))  # no dense decode
