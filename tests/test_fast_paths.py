@@ -56,3 +56,16 @@ def test_casts_write_into_the_packet_the_bytes_of_the_generic_encode(spec, dtype
     x[3], x[5] = float("nan"), float("-inf")
     for t in (x.view(7, 143), x.view(7, 143).t(), x[:0]):
         assert torch.equal(c.encode(t).tensor(), Compressor.encode(c, t).tensor())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("spec", ["fp8", "fp8:format=e5m2", "int8:chunk=100", "qsgd:bits=3", "qsgd", "terngrad",
+                                  "terngrad:bucket=0", "sign", "onebit:chunk=96"])
+def test_tiled_quantizer_decode_matches_the_whole_tensor_decode(spec, dtype, small_tiles):
+    from gradwire.compress.base import Compressor
+
+    c = gradwire.compressor(spec)
+    x = randn(3001, seed=4).to(dtype)
+    x[10], x[2000], x[2500] = float("nan"), float("inf"), -0.0
+    for packet in (c.encode(x, Ctx(step=1)), c.encode(x.nan_to_num(posinf=1.0), Ctx(step=2))):
+        assert torch.equal(bits(c.decode(packet.tensor())), bits(Compressor.decode(c, packet.tensor())))

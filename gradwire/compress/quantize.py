@@ -86,8 +86,8 @@ from typing import Iterator
 
 import torch
 
-from . import rng
-from .base import Compressor, Ctx, Param, Piece, check_input, expect
+from . import rng, wire
+from .base import Compressor, Ctx, Param, Piece, check_input, deliver, expect
 from .finite import parts_finite
 from .registry import register
 from .wire import Kind, Packet, Section
@@ -360,6 +360,18 @@ class _Chunked(Compressor):
     #: "elem" (one code per element) or an int b (b bytes per group of 8 elements).
     _layout: tuple[str | int, ...] = ()
     per_chunk = 1
+
+    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """On the CPU, decoded tile by tile into one output (`_sent`): no full-size
+        intermediates (unpacked codes, signs, fp32 values), only the result."""
+        pk = packet if isinstance(packet, Packet) else wire.parse(packet)
+        if pk.device.type != "cpu" or not pk.numel:
+            return super().decode(pk, out)
+        self.check_header(pk, out)
+        flat = torch.empty(pk.numel, dtype=pk.dtype)
+        for where, values in self._sent(pk):
+            flat[where].copy_(values)
+        return deliver(flat, pk, out)
 
     def _sent(self, pk: Packet) -> Iterator[Piece]:
         """Decode tile by tile (whole chunks, a multiple of 8), each tile through the same
@@ -783,6 +795,17 @@ class OneBit(_OneBit):
             torch.clamp(xp, max=0, out=wp)
             pairs[i: i + k, 1].copy_(wp.sum(1).div_(cneg))
             i += k
+
+    def _sent(self, pk: Packet) -> Iterator[Piece]:
+        """Tile by tile through `_decode_tile` (the same bits as `_decode`'s `where`)."""
+        n, chunk = pk.numel, self.chunk
+        step = _tile_step(n, math.lcm(chunk, 8), pk.device)
+        w = torch.empty(min(n, step), dtype=torch.float32, device=pk.device)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            sub = self._slice(pk, s, e)
+            neg = _unpack(sub.sections[1].data, 1, e - s).to(torch.int32).neg_()
+            yield slice(s, e), self._finish(self._decode_tile(neg, sub.sections[0].data, w[: e - s]), pk)
 
     def _decode_tile(self, neg: torch.Tensor, scales: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """neg's value where the sign bit is set, else pos, chosen bitwise (exactly `where`,
