@@ -61,6 +61,9 @@ def _keep(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor, spares: _Spare
     return keep
 
 
+_TILE = 1 << 19  # elements per step of DGC's momentum update on the CPU (u is reread from cache)
+
+
 def _check_like(what: str, name: str, x: torch.Tensor, state: torch.Tensor) -> None:
     if state.shape != x.shape or state.dtype != x.dtype or state.device != x.device:
         raise ValueError(f"{what} key {name!r}: tensor is {tuple(x.shape)} {x.dtype} on {x.device}, "
@@ -155,18 +158,29 @@ class DGCMomentum:
             v_old = torch.zeros_like(grad)
         else:
             _check_like("DGC", name, grad, u_old)
-        m = self.momentum
         u, v = self._spares.take(grad), self._spares.take(grad)
-        torch.mul(u_old, m, out=u).add_(grad)  # u = m*u + g
-        if self.nesterov:  # v + (m*u + g), added in the other order: IEEE addition commutes
-            torch.mul(u, m, out=v).add_(grad).add_(v_old)
-        else:
-            torch.add(v_old, u, out=v)
+        self._accumulate(grad.detach().reshape(-1), u_old.view(-1), v_old.view(-1), u.view(-1), v.view(-1))
         packet, pieces = self.compressor.encode_sent(v, ctx)
         ok = _mask(u.view(-1), v.view(-1), pieces)
         self.u[name] = _keep(ok, u, u_old, self._spares)
         self.v[name] = _keep(ok, v, v_old, self._spares)
         return packet
+
+    def _accumulate(self, g: torch.Tensor, u_old: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """u = m*u_old + g;  v = v_old + u (Nesterov: v_old + (m*u + g), added in the other
+        order: IEEE addition commutes). In cache-sized tiles on the CPU, so u is still in
+        cache when v is made (one trip through memory for each tensor)."""
+        m, n = self.momentum, g.numel()
+        step = _TILE if g.device.type == "cpu" else max(n, 1)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            ut, vt, gt = u[s:e], v[s:e], g[s:e]
+            torch.mul(u_old[s:e], m, out=ut).add_(gt)
+            if self.nesterov:
+                torch.mul(ut, m, out=vt).add_(gt).add_(v_old[s:e])
+            else:
+                torch.add(v_old[s:e], ut, out=vt)
 
     def encode_decode(self, grad: torch.Tensor, key: int | str, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
         packet = self.encode(grad, key, ctx)
