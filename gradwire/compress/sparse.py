@@ -42,6 +42,7 @@ import torch
 from ..errors import WireFormatError
 from . import indexcodec, rng, wire
 from .base import Compressor, Ctx, Param, Piece, check_input
+from .finite import parts_finite
 from .registry import register
 from .wire import Kind, Packet, Section
 
@@ -436,6 +437,25 @@ class _Sparse(Compressor):
         pk, idx = self.encode_selected(x, ctx)
         return pk, self.pieces(pk, idx, pk.section(Kind.VALUES))
 
+    #: VALUES are the input's own elements (topk, dgc, threshold; not randomk, which scales them)
+    sends_input_values = True
+
+    def encode_residual(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
+                        ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
+        """Where the values are the input's own, the residual there is v - v = +0 for every
+        finite v: one scatter of zeros, no gather. Every NaN/Inf is among the sent values
+        (largest magnitudes / at least the threshold), so they alone decide finiteness."""
+        if not self.sends_input_values or out.is_cuda:
+            return super().encode_residual(x, residual, out, ctx)
+        if residual is None:
+            out.copy_(x)
+        else:
+            torch.add(x, residual, out=out)
+        packet, idx = self.encode_selected(out, ctx)
+        values = packet.section(Kind.VALUES)
+        out.view(-1).index_fill_(0, idx, 0.0)
+        return packet, parts_finite([values.sum()], [values])
+
     def encode_selected(self, x: torch.Tensor, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
         """encode(x) and the ascending int64 indices it selected."""
         check_input(self.name, x)
@@ -621,6 +641,7 @@ class RandomK(_FixedK):
     stochastic = True
     summable = True
     _sentinel = True
+    sends_input_values = False  # scaled by the stratum length on decode
 
     @staticmethod
     def _strata(numel: int, k: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
