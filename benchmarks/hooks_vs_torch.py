@@ -79,12 +79,12 @@ def _replica(kind: str, options: dict):
     return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
 
 
-def _run(rank: int, world: int, steps: int, rounds: int) -> dict:
+def _run(rank: int, world: int, steps: int, rounds: int, only: str | None) -> dict:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(BATCH, 1024, generator=gen)
     y = torch.randint(0, 10, (BATCH,), generator=gen)
-    replicas = [_replica(kind, opts) for _, kind, opts in CONFIGS]
+    replicas = [_replica(kind, opts) for _, kind, opts in _configs(only)]
 
     def step(ddp, opt) -> float:
         torch.distributed.barrier()
@@ -97,11 +97,18 @@ def _run(rank: int, world: int, steps: int, rounds: int) -> dict:
     for ddp, opt in replicas:  # warm-up: DDP's bucket rebuild, dense iterations, state allocation
         for _ in range(START + 2):
             step(ddp, opt)
-    times: list[list[float]] = [[] for _ in CONFIGS]
+    times: list[list[float]] = [[] for _ in replicas]
     for _ in range(rounds):
         for i, (ddp, opt) in enumerate(replicas):
             times[i] += [step(ddp, opt) for _ in range(steps)]
     return {"params": sum(p.numel() for p in model().parameters()), "times": times}
+
+
+def _configs(only: str | None) -> list:
+    """CONFIGS, or those whose label contains one of the comma-separated words (DDP's default always)."""
+    if not only:
+        return CONFIGS
+    return [c for i, c in enumerate(CONFIGS) if i == 0 or any(w in c[0] for w in only.split(","))]
 
 
 def main() -> None:
@@ -109,18 +116,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
+    p.add_argument("--only", help="comma-separated words: run the configurations whose label holds one")
     args = p.parse_args()
-    out = run_ranks(_run, 2, args.steps, args.rounds, timeout=3600)
+    configs = _configs(args.only)
+    out = run_ranks(_run, 2, args.steps, args.rounds, args.only, timeout=3600)
     # a step ends when both ranks are done: the slower rank's time counts
     medians = [statistics.median(max(a, b) for a, b in zip(t0, t1))
                for t0, t1 in zip(out[0]["times"], out[1]["times"])]
-    by_label = {label: m for (label, _, _), m in zip(CONFIGS, medians)}
+    by_label = {label: m for (label, _, _), m in zip(configs, medians)}
     print(f"MLP of {out[0]['params']:,} fp32 parameters, 2 gloo ranks, batch {BATCH}, 1 thread; "
           f"median of {args.rounds} x {args.steps} steps")
     print(f"{'configuration':30s} {'step ms':>8s} {'vs ddp':>7s} {'vs torch hook':>14s}")
     rows = []
-    for (label, _, opts), m in zip(CONFIGS, medians):
-        pair = opts.get("pair")
+    for (label, _, opts), m in zip(configs, medians):
+        pair = opts.get("pair") if opts.get("pair") in by_label else None
         ratio = f"{m / by_label[pair]:.3f}x" if pair else ""
         print(f"{label:30s} {m * 1e3:8.1f} {m / medians[0]:6.2f}x {ratio:>14s}")
         rows.append({"label": label, "step_s": m, "vs_ddp": m / medians[0],

@@ -225,9 +225,7 @@ class _Tiles:
     def __iter__(self):
         for s in range(0, self.n, self.step):
             e = min(self.n, s + self.step)
-            if self.fb is not None:
-                self.fb.correct(s, e)
-            x = self.flat[s:e]
+            x = self.flat[s:e] if self.fb is None else self.fb.correct(s, e)
             if self._x32 is not None:
                 x = self._x32[: e - s].copy_(x)
             yield s, e, x
@@ -257,25 +255,39 @@ class _Residual:
     def __init__(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) -> None:
         self.x, self.e, self.flat = x, residual, out
         self.sums: list[torch.Tensor] = []
+        self._tile: torch.Tensor | None = None  # the corrected tile, in cache
+        self._scratch = torch.empty(min(TILE + 8, out.numel()), dtype=out.dtype, device=out.device)
         self._done = False
 
-    def correct(self, s: int, e: int) -> None:
-        """out[s:e] = x + residual there: the tile loop makes the corrected input as it goes."""
+    def correct(self, s: int, e: int) -> torch.Tensor:
+        """x + residual over [s, e), made as the tile loop goes into a cache-sized scratch
+        (out is written once, by `subtract`), or out's tile after `correct_all`."""
         if self._done:
-            return
+            return self.flat[s:e]
+        t = self._scratch[: e - s] if e - s <= self._scratch.numel() else torch.empty_like(self.flat[s:e])
         if self.e is None:
-            self.flat[s:e].copy_(self.x[s:e])
+            t.copy_(self.x[s:e])
         else:
-            torch.add(self.x[s:e], self.e[s:e], out=self.flat[s:e])
+            torch.add(self.x[s:e], self.e[s:e], out=t)
+        self._tile = t
+        return t
 
     def correct_all(self) -> None:
-        """All of it now (an encoder whose pre-pass reads the whole input)."""
-        self.correct(0, self.flat.numel())
+        """All of it now, into out (an encoder whose pre-pass reads the whole input)."""
+        if self.e is None:
+            self.flat.copy_(self.x)
+        else:
+            torch.add(self.x, self.e, out=self.flat)
         self._done = True
 
     def subtract(self, s: int, e: int, decoded: torch.Tensor) -> None:
+        """out[s:e] = corrected - decoded (in the input dtype)."""
         part = self.flat[s:e]
-        part.sub_(decoded if part.dtype == decoded.dtype else decoded.to(part.dtype))
+        d = decoded if part.dtype == decoded.dtype else decoded.to(part.dtype)
+        if self._done:
+            part.sub_(d)
+        else:
+            torch.sub(self._tile, d, out=part)  # type: ignore[arg-type]
         self.sums.append(part.sum())
 
     def finite(self) -> torch.Tensor:
