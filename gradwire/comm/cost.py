@@ -107,11 +107,13 @@ def worth_compressing(c: Compressor, numel: int, dtype: torch.dtype) -> bool:
 
 
 class Auto(Strategy):
-    """The cheapest of dense allreduce, allreduce of summable payloads, allgather of packets
-    and (for plain top-k) AR-top-k, by the cost model. The choice is made once, from the sizes
-    of all the tensors exchanged (`plan_sizes`, set by the DDP hook from the model's
-    parameters) or else from the first bucket, so it is the same on every rank and does not
-    depend on how tensors are grouped into buckets."""
+    """Summable compressors (none, fp16, bf16, randomk) are allreduced, as torch's hooks do:
+    nothing is cheaper on the wire and the sums match torch's bit for bit. For the others, the
+    cheapest of dense allreduce, allgather of packets and (for plain top-k) AR-top-k, by the
+    cost model. The choice is made once, from the sizes of all the tensors exchanged
+    (`plan_sizes`, set by the DDP hook from the model's parameters) or else from the first
+    bucket, so it is the same on every rank and does not depend on how tensors are grouped
+    into buckets."""
 
     name = "auto"
 
@@ -123,20 +125,21 @@ class Auto(Strategy):
             raise ValueError("give both alpha and beta to override the measured cost model, or neither")
         if (gamma_encode is None) != (gamma_decode is None):
             raise ValueError("give both gamma_encode and gamma_decode, or neither")
+        c = self.compressor
+        self.plan_sizes: list[int] | None = None
+        self.choice: str | None = None
+        if c.summable:
+            self.subs: dict[str, Strategy] = {"allreduce": Allreduce(backend, c, error_feedback)}
+            self.choice = "allreduce"  # nothing to measure
+            return
         self.model = CostModel(alpha, beta) if alpha is not None else measure(backend)  # type: ignore[arg-type]
         self.gamma = (gamma_encode, gamma_decode) if gamma_encode is not None else \
             measure_compute(backend, self.compressor)  # type: ignore[assignment]
         log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s), encode %.3g s/elem, decode %.3g s/elem",
                  self.model.alpha, self.model.beta, 1e-9 / self.model.beta, *self.gamma)
-        c = self.compressor
-        self.subs: dict[str, Strategy] = {"dense": DenseAllreduce(backend),
-                                          "allgather": Allgather(backend, c, error_feedback, min_numel)}
-        if c.summable:
-            self.subs["allreduce"] = Allreduce(backend, c, error_feedback)
+        self.subs = {"dense": DenseAllreduce(backend), "allgather": Allgather(backend, c, error_feedback, min_numel)}
         if c.name == "topk":
             self.subs["artopk"] = ARTopK(backend, c, error_feedback)
-        self.plan_sizes: list[int] | None = None
-        self.choice: str | None = None
 
     def predict(self, sizes: list[int], dtype: torch.dtype) -> dict[str, float]:
         """Modelled seconds of each candidate for exchanging tensors of these sizes."""
@@ -153,8 +156,6 @@ class Auto(Strategy):
         numel = sum(sizes)
         enc, dec = self.gamma
         times["allgather"] = m.allgather(est, world, sized=static) + numel * (enc + world * dec)
-        if "allreduce" in self.subs:
-            times["allreduce"] = m.allreduce(est, world) + numel * (enc + dec)
         if "artopk" in self.subs:
             k = sum(self.compressor.value_count(n) for n in sizes)  # type: ignore[attr-defined]
             times["artopk"] = m.broadcast(8 * k, world) + m.allreduce(k * item + item, world) + numel * (enc + dec)

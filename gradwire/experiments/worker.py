@@ -1,6 +1,6 @@
 """One rank of one training run: DDP over gloo with the gradwire hook, measured step by step.
 
-Started by `experiments.launch` as `python -m experiments.worker RUN_DIR RANK MASTER_ADDR PORT`
+Started by `gradwire.experiments.launch` as `python -m gradwire.experiments.worker RUN_DIR RANK MASTER_ADDR PORT`
 (inside a network namespace when the cluster is emulated). Rank 0 writes `steps.jsonl`
 (one record per step and one per evaluation) and `summary.json`; every rank's byte totals
 are gathered into the summary at the end.

@@ -8,10 +8,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gradwire.compress import compressor as make_compressor
+from gradwire.compress import compressor as make_compressor, resolve_error_feedback
 
 SPARSIFIERS = ("topk", "randomk", "dgc")
-UNBIASED = ("randomk", "qsgd", "terngrad")  # unbiased, not contractive: error feedback would hurt them
 
 
 @dataclass(frozen=True)
@@ -43,15 +42,11 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
         return Method(f"powersgd:rank={options['rank']}", "none", "powersgd", options, ef)
     c = make_compressor(spec)  # raises ValueError naming what was wrong
     canonical = str(c)
-    head = spec.split("+")[0].split(":")[0]
     if strategy == "default":
         chosen = "allreduce" if c.summable else "allgather"
     else:
         chosen = strategy
-    if error_feedback == "auto":
-        ef = head not in UNBIASED and not (c.summable and head in ("none", "fp16", "bf16"))
-    else:
-        ef = error_feedback == "on"
+    ef = resolve_error_feedback(error_feedback, c)  # "auto": the library's rule, Compressor.feedback_helps
     options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto") else {}
     return Method(spec, canonical, chosen, options, ef)
 
