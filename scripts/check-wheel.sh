@@ -10,7 +10,10 @@ PY=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-"$PY" -m pip wheel -q --no-deps --no-build-isolation "$repo" -w "$work/dist"
+# build from a copy of the files git knows (no stale build/ folder, nothing written into the checkout)
+mkdir "$work/src"
+(cd "$repo" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -xf - -C "$work/src"
+"$PY" -m pip wheel -q --no-deps --no-build-isolation "$work/src" -w "$work/dist"
 wheel=$(ls "$work"/dist/gradwire-*.whl)
 tops=$("$PY" -c 'import sys, zipfile; print(" ".join(sorted({n.split("/")[0] for n in zipfile.ZipFile(sys.argv[1]).namelist()})))' "$wheel")
 case "$tops" in
