@@ -180,6 +180,7 @@ def main(argv: list[str]) -> int:
             tmp = run_dir / "summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=1))
             tmp.replace(run_dir / "summary.json")  # its presence marks the run finished
+        dist.barrier()  # leave together: a rank tearing gloo down while a peer still talks can abort it
     finally:
         dist.destroy_process_group()
     return 0
