@@ -3,7 +3,7 @@
 import torch
 
 from gradwire import Ctx
-from gradwire.comm.cost import Auto, CostModel
+from gradwire.comm.cost import Auto, CostModel, oktopk_seconds
 from gradwire.comm.torch_dist import TorchDistBackend
 from multiproc import run_ranks
 
@@ -14,6 +14,11 @@ def test_cost_model_formulas():
     assert m.allgather(1000, 4) == 3 * (1e-5 + 1000 * 1e-9)
     assert m.allgather(1000, 4, sized=False) > m.allgather(1000, 4)
     assert m.broadcast(1000, 4) == 2 * (1e-5 + 1000 * 1e-9)
+    assert m.alltoall(1000, 4) == 6 * 1e-5 + (1000 + 48) * 1e-9
+    # oktopk's volume stays ~2k pairs while allgather's grows with P: it wins on large clusters
+    k, item = 250_000, 4
+    for world in (16, 64):
+        assert oktopk_seconds(m, k, item, world) < m.allgather(128 + k * (item + 4), world) / 4
 
 
 def _choices(rank: int, world: int) -> dict:
@@ -34,7 +39,7 @@ def _choices(rank: int, world: int) -> dict:
 
 def test_auto_choices_follow_the_model_and_agree_across_ranks():
     a, b = run_ranks(_choices, 2)
-    assert a["slow"] in ("allgather", "artopk")  # a slow wire favours sending 1% of the bytes
+    assert a["slow"] in ("allgather", "artopk", "oktopk")  # a slow wire favours sending 1% of the bytes
     assert a["fast"] == "dense"  # a free wire and costly compression favour plain allreduce
     # summable payloads are always allreduced, as torch's hooks do (the same sums, bit for bit)
     assert a["summable"] == a["summable_fast"] == "allreduce"

@@ -86,7 +86,8 @@ def test_none_equals_ddp_default_and_fp16_equals_torch_fp16_hook(world):
 TRAIN_SPECS = [
     ("none", "auto"), ("fp16", "allreduce"), ("bf16", "auto"), ("fp8", "allgather"), ("int8", "allgather"),
     ("qsgd:bits=4", "allgather"), ("terngrad", "allgather"), ("sign", "allgather"), ("onebit", "allgather"),
-    ("topk:ratio=0.1", "allgather"), ("topk:ratio=0.1", "artopk"), ("topk:ratio=0.1", "auto"),
+    ("topk:ratio=0.1", "allgather"), ("topk:ratio=0.1", "artopk"), ("topk:ratio=0.1", "oktopk"),
+    ("topk:ratio=0.1", "auto"),
     ("randomk:ratio=0.2", "allreduce-noef"), ("threshold:threshold=0.01", "allgather"), ("dgc:ratio=0.1", "allgather"),
     ("topk:ratio=0.1+fp16", "allgather"), ("topk:ratio=0.1+qsgd:bits=8+zstd", "allgather"), ("zstd", "allgather"),
 ]

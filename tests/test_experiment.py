@@ -205,6 +205,14 @@ def test_methods_expand_over_ratios_and_map_onto_strategies() -> None:
         parse_method("powersgd:bits=4")
     with pytest.raises(ValueError, match="topk"):
         parse_method("topk:ratio=2")
+    # one method's own strategy
+    assert expand_methods(["topk@oktopk", "topk+fp16@allgather"], [0.01]) == [
+        "topk:ratio=0.01@oktopk", "topk:ratio=0.01+fp16@allgather"]
+    ok = parse_method("topk:ratio=0.01@oktopk", strategy="allgather")
+    assert (ok.label, ok.compressor, ok.strategy, ok.error_feedback) == (
+        "topk:ratio=0.01@oktopk", "topk", "oktopk", True)
+    with pytest.raises(ValueError, match="unknown strategy 'nosuch'"):
+        parse_method("topk:ratio=0.01@nosuch")
 
 
 @pytest.mark.parametrize("args, message", [

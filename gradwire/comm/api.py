@@ -80,7 +80,7 @@ class GradientExchanger:
 
     compressor: a spec string (``"topk:ratio=0.01"``, ``"fp16"``, ...) or a `Compressor`.
     backend: a `Backend`; default `MPIBackend` over ``MPI.COMM_WORLD``.
-    strategy: ``"allgather"`` (any compressor), ``"allreduce"`` (summable ones), ``"artopk"``,
+    strategy: ``"allgather"`` (any compressor), ``"allreduce"`` (summable ones), ``"artopk"``, ``"oktopk"``,
         ``"dense"``, ``"powersgd"``, or ``"auto"`` (chosen per bucket by a measured cost model;
         construction then runs timed collectives on every rank); extra keyword arguments go to
         the strategy (e.g. ``alpha``/``beta`` for auto).
@@ -97,7 +97,7 @@ class GradientExchanger:
     def __init__(self, compressor: Compressor | str = "topk:ratio=0.01", backend: Backend | None = None,
                  strategy: str = "allgather", error_feedback: bool | str = "auto", seed: int = 0,
                  bucket_mb: float | None = None, per_tensor: bool = True, **strategy_options: Any) -> None:
-        from .cost import make_strategy  # cost imports every strategy; keep importing this module cheap
+        from .registry import make_strategy  # imports every strategy; keep importing this module cheap
 
         if backend is None:
             from .mpi import MPIBackend

@@ -15,9 +15,18 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
+class _Failed:
+    """An exception carried through a torch Future as its value: torch would wrap it in a
+    RuntimeError, and callers must see the original (e.g. WireFormatError)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 class Work(Generic[T]):
     """A pending result. Wraps a torch Future (then `then` stays asynchronous) or a
-    wait function (then `then` runs when the result is first waited for)."""
+    wait function (then `then` runs when the result is first waited for). An exception in a
+    `then` step reaches `wait()` as itself."""
 
     def __init__(self, wait: Callable[[], T] | None = None, future: torch.futures.Future | None = None) -> None:
         if (wait is None) == (future is None):
@@ -36,20 +45,38 @@ class Work(Generic[T]):
         if not self._done:
             self._value = self._future.wait() if self._future is not None else self._wait()  # type: ignore[misc]
             self._done = True
+        if isinstance(self._value, _Failed):
+            raise self._value.error
         return self._value
 
     def then(self, fn: Callable[[T], U]) -> "Work[U]":
         if self._future is not None:
-            return Work(future=self._future.then(lambda f: fn(f.value())))
+            def step(f: torch.futures.Future) -> Any:
+                value = f.value()
+                if isinstance(value, _Failed):
+                    return value
+                try:
+                    return fn(value)
+                except Exception as e:  # noqa: BLE001 - handed on unchanged to wait()
+                    return _Failed(e)
+
+            return Work(future=self._future.then(step))
         return Work(wait=lambda: fn(self.wait()))
 
     def future(self) -> torch.futures.Future:
-        """A torch Future of the result (completed now when the work has no native future)."""
+        """A torch Future of the result (completed now when the work has no native future);
+        a failed step raises its exception there (torch reports it as a RuntimeError)."""
         if self._future is not None:
-            return self._future
+            return self._future.then(lambda f: _unwrap(f.value()))
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(self.wait())
         return fut
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
 
 
 class Backend(ABC):

@@ -5,7 +5,8 @@ decode work: seconds per element measured on a probe tensor at start-up (`gamma_
 `gamma_decode`; allgather decodes P packets). A collective of n bytes over P ranks is
 modelled with ring algorithms:
 allreduce ``2(P-1)·alpha + 2(P-1)/P · n · beta``, allgather of m bytes each
-``(P-1)·alpha + (P-1) · m · beta``, broadcast ``ceil(log2 P)·(alpha + n·beta)``.
+``(P-1)·alpha + (P-1) · m · beta``, broadcast ``ceil(log2 P)·(alpha + n·beta)``, all-to-all of
+n bytes out ``2(P-1)·alpha + n·beta`` (counts first).
 alpha (s) and beta (s/byte) are measured once at start-up, then averaged over ranks so
 every rank holds the same numbers and makes the same choice for every bucket.
 """
@@ -42,6 +43,10 @@ class CostModel:
 
     def broadcast(self, nbytes: int, world: int) -> float:
         return math.ceil(math.log2(max(world, 2))) * (self.alpha + nbytes * self.beta)
+
+    def alltoall(self, nbytes_out: int, world: int) -> float:
+        """Pairwise exchange: one message to each peer, nbytes_out in all, after a size exchange."""
+        return 2 * (world - 1) * self.alpha + (nbytes_out + 16 * (world - 1)) * self.beta
 
 
 def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5) -> CostModel:
@@ -139,7 +144,10 @@ class Auto(Strategy):
                  self.model.alpha, self.model.beta, 1e-9 / self.model.beta, *self.gamma)
         self.subs = {"dense": DenseAllreduce(backend), "allgather": Allgather(backend, c, error_feedback, min_numel)}
         if c.name == "topk":
+            from .oktopk import OkTopK
+
             self.subs["artopk"] = ARTopK(backend, c, error_feedback)
+            self.subs["oktopk"] = OkTopK(backend, c, error_feedback)
 
     def predict(self, sizes: list[int], dtype: torch.dtype) -> dict[str, float]:
         """Modelled seconds of each candidate for exchanging tensors of these sizes."""
@@ -159,6 +167,7 @@ class Auto(Strategy):
         if "artopk" in self.subs:
             k = sum(self.compressor.value_count(n) for n in sizes)  # type: ignore[attr-defined]
             times["artopk"] = m.broadcast(8 * k, world) + m.allreduce(k * item + item, world) + numel * (enc + dec)
+            times["oktopk"] = oktopk_seconds(m, k, item, world) + numel * (enc + dec)
         return times
 
     def choose(self, sizes: list[int], dtype: torch.dtype) -> str:
@@ -190,34 +199,8 @@ class Auto(Strategy):
             self.subs[n].load_state_dict(s)
 
 
-STRATEGIES = ("auto", "allreduce", "allgather", "artopk", "powersgd", "dense")
-
-
-def make_strategy(name: str, backend: Backend, compressor: Compressor | str = "none", error_feedback: bool = True,
-                  **options: Any) -> Strategy:
-    """Build a strategy by name; unknown names or options raise ValueError."""
-    c = make_compressor(compressor)
-    if name == "powersgd":
-        from .powersgd import PowerSGD
-
-        return PowerSGD(backend, error_feedback=error_feedback, **options)
-    if name == "allgather":
-        unknown = set(options) - {"min_numel"}
-        if unknown:
-            raise ValueError(f"strategy 'allgather' takes min_numel, got {sorted(unknown)}")
-        return Allgather(backend, c, error_feedback, **options)
-    if options and name != "auto":
-        raise ValueError(f"strategy {name!r} takes no options, got {sorted(options)}")
-    if name == "auto":
-        unknown = set(options) - {"alpha", "beta", "gamma_encode", "gamma_decode", "min_numel"}
-        if unknown:
-            raise ValueError(f"strategy 'auto' takes alpha, beta, gamma_encode, gamma_decode and min_numel, "
-                             f"got {sorted(unknown)}")
-        return Auto(backend, c, error_feedback, **options)
-    if name == "allreduce":
-        return Allreduce(backend, c, error_feedback)
-    if name == "artopk":
-        return ARTopK(backend, c, error_feedback)
-    if name == "dense":
-        return DenseAllreduce(backend)
-    raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+def oktopk_seconds(m: CostModel, k: int, item: int, world: int) -> float:
+    """Modelled `oktopk` exchange of k pairs: (P-1)/P of them out by all-to-all, then an
+    allgatherv of about k/P kept pairs each (int32 index + value)."""
+    pair = 4 + item
+    return m.alltoall(k * pair * (world - 1) // world, world) + m.allgather(k * pair // world + 12, world, sized=False)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.backend import Work
-from ..comm.cost import make_strategy
+from ..comm.registry import make_strategy
 from ..comm.strategies import DenseAllreduce, Strategy
 from ..comm.torch_dist import TorchDistBackend
 from ..compress import Ctx, compressor as make_compressor, resolve_error_feedback
@@ -65,7 +65,7 @@ class GradwireState:
         if strategy == "powersgd" and error_feedback == "auto":
             error_feedback = True  # PowerSGD's own error feedback, on by default as in torch's powerSGD_hook
         self.error_feedback = resolve_error_feedback(error_feedback, c)
-        stateful = self.error_feedback or strategy in ("powersgd", "artopk") or (strategy == "auto" and not c.summable)
+        stateful = self.error_feedback or strategy in ("powersgd", "artopk", "oktopk") or (strategy == "auto" and not c.summable)
         self.start_iter = (2 if stateful else 0) if start_iter is None else int(start_iter)
         self.seed = int(seed)
         self.strategy_options = dict(strategy_options)
