@@ -201,6 +201,6 @@ class Auto(Strategy):
 
 def oktopk_seconds(m: CostModel, k: int, item: int, world: int) -> float:
     """Modelled `oktopk` exchange of k pairs: (P-1)/P of them out by all-to-all, then an
-    allgatherv of about k/P kept pairs each (int32 index + value)."""
-    pair = 4 + item
+    allgatherv of about k/P kept pairs each (a value and a bit-packed index, ~2 bytes)."""
+    pair = 2 + item
     return m.alltoall(k * pair * (world - 1) // world, world) + m.allgather(k * pair // world + 12, world, sized=False)

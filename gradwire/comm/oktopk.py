@@ -10,7 +10,8 @@ here each bucket's index space is split into P regions, region j owned by rank j
    most k per region, the largest, should a stale threshold let more through);
 3. one allgatherv of the kept (index, sum) pairs: about k/P out, about k in.
 
-So a rank sends at most k + k/P pairs and receives about 2k per step, at any P.
+So a rank sends at most k + k/P pairs and receives about 2k per step, at any P. Indices travel
+as bit-packed gaps relative to their region (gradwire's index codec, about 1-2 bytes each).
 
 Region boundaries balance the kept entries: after a bucket's first step and every
 `boundary_every` steps they move to the quantiles of that step's kept indices, which every rank holds, so all agree without a
@@ -36,13 +37,12 @@ from typing import Any
 
 import torch
 
-from ..compress import Compressor, Ctx
+from ..compress import Compressor, Ctx, indexcodec
 from ..compress.sparse import topk
 from ..errors import WireFormatError
 from .backend import Backend, Work
 from .strategies import Strategy, segments_of
 
-_INDEX = torch.int32  # indices within a bucket (< 2**31 elements)
 _BIN_SHIFT = 20  # histogram bins: a magnitude's float32 bits >> 20 (8 exponent + 3 mantissa bits)
 _BINS = 1 << (31 - _BIN_SHIFT)
 _HEADER = 12  # step-3 message: int32 status, int32 bad source rank, float32 sum(x)
@@ -59,21 +59,31 @@ class _BucketState:
     last_kept: int = -1
 
 
-def _pairs(idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """(int32 indices, values) as one uint8 buffer: indices first, then values."""
-    return torch.cat([idx.to(_INDEX).view(torch.uint8), values.contiguous().view(torch.uint8)])
+def _pairs(idx: torch.Tensor, values: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Ascending indices in [lo, hi) and their values as one uint8 buffer: int32 count and
+    packed length, the indices' gaps bit-packed by the index codec (about 1 byte each at 1%
+    density instead of 4), then the values."""
+    packed = indexcodec.encode(idx - lo, hi - lo) if idx.numel() else torch.empty(0, dtype=torch.uint8)
+    head = torch.tensor([idx.numel(), packed.numel()], dtype=torch.int32).view(torch.uint8)
+    return torch.cat([head, packed.to(values.device), values.contiguous().view(torch.uint8)])
 
 
 def _unpairs(buf: torch.Tensor, dtype: torch.dtype, lo: int, hi: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a pair buffer; WireFormatError unless its indices ascend strictly inside [lo, hi)."""
-    width = 4 + torch.empty((), dtype=dtype).element_size()
-    if buf.numel() % width:
-        raise WireFormatError(f"{what}: {buf.numel()} bytes are not whole (int32, {dtype}) pairs")
-    n = buf.numel() // width
-    idx = buf[: 4 * n].clone().view(_INDEX)
-    values = buf[4 * n:].clone().view(dtype)
-    if n and (int(idx[0]) < lo or int(idx[-1]) >= hi or (n > 1 and not bool((idx[1:] > idx[:-1]).all()))):
-        raise WireFormatError(f"{what}: indices are not strictly ascending inside its region [{lo}, {hi})")
+    """Split a pair buffer; WireFormatError unless its lengths add up and its indices ascend
+    strictly inside [lo, hi). Nothing larger than the buffer is allocated before the checks."""
+    item = torch.empty((), dtype=dtype).element_size()
+    if buf.numel() < 8:
+        raise WireFormatError(f"{what}: {buf.numel()} bytes cannot hold its 8-byte header")
+    n, packed_len = buf[:8].clone().view(torch.int32).tolist()
+    if not 0 <= n <= hi - lo or packed_len < 0 or 8 + packed_len + n * item != buf.numel():
+        raise WireFormatError(f"{what}: header (count {n}, packed {packed_len} bytes) does not match its "
+                              f"{buf.numel()} bytes for region [{lo}, {hi})")
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype)
+    packed = buf[8: 8 + packed_len].cpu()
+    indexcodec.check(packed, n)
+    idx = indexcodec.decode(packed, n, hi - lo).to(buf.device) + lo  # ascending, unique, in range
+    values = buf[8 + packed_len:].clone().view(dtype)
     return idx, values
 
 
@@ -147,7 +157,8 @@ class OkTopK(Strategy):
         idx = torch.cat(picked) if picked else torch.empty(0, dtype=torch.int64)
         bounds = state.bounds
         cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=torch.int64)).tolist()
-        chunks = [_pairs(idx[cuts[j]: cuts[j + 1]], flat[idx[cuts[j]: cuts[j + 1]]]) for j in range(world)]
+        chunks = [_pairs(idx[cuts[j]: cuts[j + 1]], flat[idx[cuts[j]: cuts[j + 1]]], bounds[j], bounds[j + 1])
+                  for j in range(world)]
         t1 = time.perf_counter()
         received = self.backend.alltoall(chunks).wait()  # stage 1: region j's pairs to rank j
         t2 = time.perf_counter()
@@ -163,7 +174,7 @@ class OkTopK(Strategy):
             except WireFormatError:
                 bad_src = src  # reported to every rank in stage 3, so no rank goes on alone
                 break
-            pos = ridx.to(torch.int64) - lo
+            pos = ridx - lo
             region.index_add_(0, pos, rval.to(region.dtype))
             touched[pos] = True
         positions = touched.nonzero().view(-1)
@@ -182,7 +193,7 @@ class OkTopK(Strategy):
             values.div_(world)
         head = torch.tensor([0 if bad_src < 0 else 1, bad_src], dtype=torch.int32).view(torch.uint8)
         total = torch.tensor([float(flat.float().sum()) if flat.numel() else 0.0], dtype=torch.float32)
-        message = torch.cat([head, total.view(torch.uint8), _pairs(keep + lo, values.to(x.dtype))])
+        message = torch.cat([head, total.view(torch.uint8), _pairs(keep + lo, values.to(x.dtype), lo, hi)])
         t3 = time.perf_counter()
         self.stats.encode_s += (t1 - t0) + (t3 - t2)
         self.stats.exchange_s += t2 - t1
@@ -205,11 +216,11 @@ class OkTopK(Strategy):
                 nonfinite += float(m[8:12].clone().view(torch.float32))
                 oidx, oval = _unpairs(m[_HEADER:], x.dtype, bounds[owner], bounds[owner + 1],
                                       f"oktopk: rank {owner}'s result")
-                out[oidx.to(torch.int64)] = oval
+                out[oidx] = oval
                 kept.append(oidx)
             if not math.isfinite(nonfinite):
                 out.add_(nonfinite)  # NaN/Inf on any rank reaches every rank
-            everything = torch.cat(kept).to(torch.int64)
+            everything = torch.cat(kept)
             if self.feedback is not None:  # a rank keeps all it did not contribute to the result
                 contributed = torch.zeros_like(flat)
                 mine = idx[torch.isin(idx, everything)]
