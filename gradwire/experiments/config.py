@@ -54,7 +54,7 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
     else:
         chosen = strategy
     ef = resolve_error_feedback(error_feedback, c)  # "auto": the library's rule, Compressor.feedback_helps
-    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto") else {}
+    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto", "oktopk") else {}
     return Method(label, canonical, chosen, options, ef)
 
 
