@@ -258,3 +258,25 @@ def test_bad_input_gets_clear_errors():
         assert "reduce-scatter" in r["powersgd"] and "replicate_group" in r["powersgd"]
         assert "fully_shard" in r["unsharded"]
         assert "PREMUL_SUM" in r["divide"]
+
+
+def _hsdp_mismatch(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradwire.errors import ConfigMismatchError
+    from gradwire.hooks import fsdp as gw
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = build(mesh["shard"])
+    gw.register(model, "int8", seed=1 if rank == 3 else 0, replicate_group=mesh["replicate"].get_group())
+    try:
+        train(model, rank, 1)
+    except ConfigMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_hsdp_config_mismatch_on_one_rank_raises_on_all_four():
+    # rank 3 shares neither a shard group nor a replicate group with rank 0: the check needs both hops
+    for msg in run_ranks(_hsdp_mismatch, 4, timeout=300):
+        assert "differ across ranks" in msg and "seed=1" in msg and "rank 0:" in msg
