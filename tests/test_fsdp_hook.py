@@ -41,11 +41,13 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ teacher
 
 
-def build(mesh=None, mp=None, dtype=torch.float32):
+def build(mesh=None, mp=None, dtype=torch.float32, unused: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = Block().to(dtype)
+    if unused:
+        model.unused = nn.Linear(2, 2)  # in the root's group, but forward never uses it
     kw = {} if mesh is None else {"mesh": mesh}
     if mp is not None:
         kw["mp_policy"] = mp
@@ -243,6 +245,16 @@ def _bad_input(rank: int, world: int) -> dict:
         gw.register(nn.Linear(4, 4), "int8")
     except ValueError as e:
         out["unsharded"] = str(e)
+    model = build(unused=True)
+    gw.register(model, "int8")
+    try:
+        train(model, rank, 1)
+    except ValueError as e:
+        out["unused"] = str(e)
+    model = build(unused=True)
+    model.set_reduce_scatter_unused_params(True)  # the fix the error names
+    gw.register(model, "int8")
+    _, out["unused_fixed"] = train(model, rank, 2)
     model = build()
     model.set_gradient_divide_factor(3.0)  # PREMUL_SUM: not an average gradwire can reproduce
     gw.register(model, "int8")
@@ -258,6 +270,8 @@ def test_bad_input_gets_clear_errors():
         assert "reduce-scatter" in r["powersgd"] and "replicate_group" in r["powersgd"]
         assert "fully_shard" in r["unsharded"]
         assert "PREMUL_SUM" in r["divide"]
+        assert "set_reduce_scatter_unused_params(True)" in r["unused"] and "'<root>'" in r["unused"]
+        assert len(r["unused_fixed"]) == 2
 
 
 def _hsdp_mismatch(rank: int, world: int) -> str:

@@ -27,6 +27,7 @@ and all raise ConfigMismatchError if they differ.
 from __future__ import annotations
 
 import io
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,10 @@ try:  # the interface FSDP2 expects; private in torch 2.13
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
 except ImportError:  # pragma: no cover - other torch versions
     _ReduceScatterBase = object  # type: ignore[misc,assignment]
+
+
+_UNUSED = ("a parameter got no gradient this step, so FSDP left it out and the per-parameter layout (error "
+           "feedback, keys) no longer fits; call model.set_reduce_scatter_unused_params(True) to send zeros for it")
 
 
 @dataclass
@@ -169,14 +174,16 @@ class FSDPGradwireState:
                              "a custom gradient divide factor (PREMUL_SUM) is not supported")
         world = group.size()
         if x.numel() != world * unit.numel:
-            raise ValueError(f"FSDP group {unit.name!r} reduce-scatters {x.numel()} elements, but its parameters "
-                             f"need {world} x {unit.numel}: a parameter without a gradient was left out")
+            raise ValueError(f"FSDP group {unit.name!r} reduce-scatters {x.numel()} elements, but its trainable "
+                             f"parameters need {world} x {unit.numel}: {_UNUSED}")
         step = unit.calls
         unit.calls += 1
         if self.compressor == "none":
+            t0 = time.perf_counter()
             dense_reduce_scatter(out, x, group, op)
-            nbytes = (world - 1) * unit.numel * x.element_size()
-            self.stats = self.stats.merge(ExchangeStats(nbytes, nbytes, nbytes, buckets={unit.name: "dense"}))
+            nbytes = (world - 1) * unit.numel * x.element_size()  # a ring reduce-scatter's share
+            self.stats = self.stats.merge(ExchangeStats(nbytes, nbytes, nbytes, exchange_s=time.perf_counter() - t0,
+                                                        buckets={unit.name: "dense"}))
             return
         strategy = self._reduce_scatter_strategy(group)
         ctx = Ctx(seed=self.seed, step=step, rank=strategy.backend.rank)
@@ -190,7 +197,7 @@ class FSDPGradwireState:
             self._check_config(unit.shard_group)
         if shard.numel() != unit.numel:
             raise ValueError(f"FSDP group {unit.name!r} hands over a shard of {shard.numel()} elements, but its "
-                             f"parameters need {unit.numel}: a parameter without a gradient was left out")
+                             f"trainable parameters need {unit.numel}: {_UNUSED}")
         assert self._strategy is not None
         step = unit.calls
         unit.calls += 1
@@ -295,15 +302,14 @@ def register(model: torch.nn.Module, compressor: str = "int8", *, state: FSDPGra
              **options: Any) -> FSDPGradwireState:
     """Put gradwire on an FSDP2 model (after `fully_shard`): a compressed reduce-scatter on every
     FSDP module that owns parameters, or with `replicate_group=` a compressed cross-replica
-    all-reduce. Parameters without a gradient are reduce-scattered as zeros
-    (`set_reduce_scatter_unused_params`), so every step has the same layout."""
+    all-reduce. Every trainable parameter must get a gradient each step (else a clear error says to
+    call `model.set_reduce_scatter_unused_params(True)`), so every step has the same layout."""
     if state is None:
         state = FSDPGradwireState(compressor, **options)
     elif options:
         raise ValueError("pass either an existing state or options for a new one, not both")
     for module, group, unit in _units(model):
         state.units[unit.name] = unit
-        module.set_reduce_scatter_unused_params(True, recurse=False)
         if state.hsdp:
             if group._is_hsdp:
                 raise ValueError("replicate_group= is for fully_shard on the shard dimension only; FSDP's native "
