@@ -168,46 +168,54 @@ def test_bf16_params_and_mixed_precision_train():
 
 
 # ---- checkpoint / resume with torch.distributed.checkpoint --------------------------------------
-def _resume(rank: int, world: int, path: str, spec: str) -> dict:
+def _resume(rank: int, world: int, path: str, spec: str, options: dict) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from gradwire.hooks import fsdp as gw
 
-    model = build()
-    state = gw.register(model, spec)
+    mesh = None
+    if options.get("strategy") == "powersgd":  # HSDP 2x2
+        from torch.distributed.device_mesh import init_device_mesh
+
+        full = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh, options = full["shard"], dict(options, replicate_group=full["replicate"].get_group())
+
+    def restore(model, opt, state):
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd, **({"gradwire": state.dcp()} if state is not None else {})}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    model = build(mesh)
+    state = gw.register(model, spec, **options)
     opt, _ = train(model, rank, 3)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd, "gradwire": state.dcp()}, checkpoint_id=path)
     train(model, rank, 3, opt=opt)
     straight = full_params(model)
 
-    model = build()
-    state = gw.register(model, spec)
+    model = build(mesh)
+    state = gw.register(model, spec, **options)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    train(model, rank, 1, opt=opt, data_rank=rank + 50)  # different weights and state before loading
-    msd, osd = get_state_dict(model, opt)
-    sd = {"model": msd, "optim": osd, "gradwire": state.dcp()}
-    dcp.load(sd, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    train(model, rank, 1, opt=opt, data_rank=rank + 50)  # different weights, optimizer and hook state first
+    restore(model, opt, state)
     train(model, rank, 3, opt=opt)
     resumed = full_params(model)
 
-    model = build()  # control: model and optimizer restored, hook state fresh
-    state = gw.register(model, spec)
+    model = build(mesh)  # control: model and optimizer restored, hook state fresh
+    gw.register(model, spec, **options)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    msd, osd = get_state_dict(model, opt)
-    sd = {"model": msd, "optim": osd}
-    dcp.load(sd, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    restore(model, opt, None)
     train(model, rank, 3, opt=opt)
     return {"straight": straight, "resumed": resumed, "fresh_hook": full_params(model)}
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "qsgd:bits=4"])
-def test_dcp_resume_is_bit_identical(spec):
+@pytest.mark.parametrize("world, spec, options", [(2, "topk:ratio=0.05", {}), (2, "qsgd:bits=4", {}),
+                                                  (4, "none", {"strategy": "powersgd", "rank": 2})])
+def test_dcp_resume_is_bit_identical(world, spec, options):
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(_resume, 2, os.path.join(tmp, "ckpt"), spec, timeout=600)
+        results = run_ranks(_resume, world, os.path.join(tmp, "ckpt"), spec, options, timeout=600)
     for r in results:
         assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
         # the hook's state matters: without it the run continues differently
