@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import gradwire.hooks.ddp
-import gradwire.hooks.fsdp
 from .config import RunConfig
 from .tasks import Dataset, Task, digest, get_task
 
@@ -104,7 +103,7 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 class _FSDPStats:
     """The DDP state's `last_stats`, read from the FSDP hook's per-step totals."""
 
-    def __init__(self, state: gradwire.hooks.fsdp.FSDPGradwireState) -> None:
+    def __init__(self, state: Any) -> None:
         self.state = state
 
     @property
@@ -122,9 +121,10 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
     state: Any
     if cfg.engine == "fsdp":
         bare = copy.deepcopy(model)  # for the reference compute time, without FSDP's hooks
+        from gradwire.hooks import fsdp as fsdp_hook  # needs FSDP2; DDP runs do not import it
         ddp = model = shard(model)
-        state = _FSDPStats(gradwire.hooks.fsdp.register(model, method.compressor, error_feedback=method.error_feedback,
-                                                        seed=cfg.seed, min_numel=method.options.get("min_numel", 0)))
+        state = _FSDPStats(fsdp_hook.register(model, method.compressor, error_feedback=method.error_feedback,
+                                              seed=cfg.seed, min_numel=method.options.get("min_numel", 0)))
     else:
         # own BatchNorm statistics per rank: buffer broadcasts would be traffic the hook does not count
         ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)

@@ -34,7 +34,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError as exc:  # pragma: no cover - torch before FSDP2's public API
+    raise ImportError(f"gradwire.hooks.fsdp needs FSDP2 (torch.distributed.fsdp.FSDPModule); torch "
+                      f"{torch.__version__} has none") from exc
 
 from ..comm.cost import make_strategy
 from ..comm.reduce_scatter import AlltoallReduceScatter, dense_reduce_scatter
