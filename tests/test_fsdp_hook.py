@@ -149,8 +149,15 @@ def _precision(rank: int, world: int) -> dict:
     from gradwire.hooks import fsdp as gw
 
     out = {}
-    for name, kw in (("mp", {"mp": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
-                     ("bf16", {"dtype": torch.bfloat16})):
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = build(mp=mp)
+    train(model, rank, 3)
+    default = full_params(model)
+    model = build(mp=mp)
+    gw.register(model, "none")
+    train(model, rank, 3)
+    out["none_equal"] = all(torch.equal(a, b) for a, b in zip(default, full_params(model)))
+    for name, kw in (("mp", {"mp": mp}), ("bf16", {"dtype": torch.bfloat16})):
         model = build(**kw)
         gw.register(model, "int8")
         _, losses = train(model, rank, 40, lr=1e-2)
@@ -159,8 +166,9 @@ def _precision(rank: int, world: int) -> dict:
     return out
 
 
-def test_bf16_params_and_mixed_precision_train():
+def test_bf16_params_and_mixed_precision_train_and_none_stays_fsdp_default():
     results = run_ranks(_precision, 2, timeout=600)
+    assert all(r["none_equal"] for r in results)  # "none" is FSDP's default under mixed precision too
     mp, bf = results[0]["mp"], results[0]["bf16"]
     assert mp["dtype"] == "torch.float32" and bf["dtype"] == "torch.bfloat16" == bf["grad_dtype"]
     for r in (mp, bf):
