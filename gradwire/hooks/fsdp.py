@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - torch before FSDP2's public API
     raise ImportError(f"gradwire.hooks.fsdp needs FSDP2 (torch.distributed.fsdp.FSDPModule); torch "
                       f"{torch.__version__} has none") from exc
 
-from ..comm.cost import make_strategy
+from ..comm.registry import make_strategy
 from ..comm.reduce_scatter import AlltoallReduceScatter, dense_reduce_scatter
 from ..comm.strategies import ExchangeStats, Segment, Strategy
 from ..comm.torch_dist import TorchDistBackend
