@@ -20,6 +20,7 @@ class _Cast(Compressor):
     wire_dtype: torch.dtype | None = None  # None: keep the input dtype
     summable = True
     elementwise = True  # each element is cast on its own: a bucket may be cast at once
+    feedback_helps = False
 
     def _dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype or dtype

@@ -223,6 +223,7 @@ class Zstd(Compressor):
     name = "zstd"
     codec_id = 14
     role = "lossless"
+    feedback_helps = False
     params = (Param("level", int, 3, lambda v: 1 <= v <= 22, "1 <= level <= 22"),)
 
     # ---- the wrapper a chain uses ---------------------------------------------------

@@ -85,6 +85,38 @@ def allgatherv_dtype_mismatch_raises_everywhere(b) -> None:
     raise AssertionError("allgatherv with different dtypes should raise on every rank")
 
 
+def alltoall_count(src: int, dst: int) -> int:
+    """How many elements src sends to dst: zeros, odd byte offsets and one large chunk."""
+    return 0 if (src + dst) % 3 == 0 else 1000 if src == dst == 1 else 2 * src + dst + 1
+
+
+def alltoall_chunk(src: int, dst: int, dtype: torch.dtype) -> torch.Tensor:
+    return contribution(100 * src + dst, alltoall_count(src, dst), dtype)
+
+
+@check
+def alltoall_unequal_counts(b) -> None:
+    world = b.world_size
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int64):
+        chunks = [alltoall_chunk(b.rank, dst, dtype) for dst in range(world)]
+        for recv_counts in (None, [alltoall_count(src, b.rank) for src in range(world)]):  # exchanged, static
+            parts = b.alltoall(chunks, recv_counts).wait()
+            assert len(parts) == world
+            for src, p in enumerate(parts):
+                bits_equal(p, alltoall_chunk(src, b.rank, dtype), f"alltoall {dtype} from {src}")
+
+
+@check
+def alltoall_dtype_mismatch_raises_everywhere(b) -> None:
+    dtype = torch.float32 if b.rank == 0 else torch.float16
+    try:
+        b.alltoall([torch.zeros(2, dtype=dtype) for _ in range(b.world_size)])
+    except ValueError as e:
+        assert "dtype" in str(e), e
+        return
+    raise AssertionError("alltoall with different dtypes should raise on every rank")
+
+
 @check
 def allgather_equal_counts(b) -> None:
     for dtype in (torch.float16, torch.int32):
@@ -125,3 +157,31 @@ def nonblocking_waits_in_any_order(b) -> None:
 
 if __name__ == "__main__":
     main(__name__)
+
+
+@check
+def compressed_reduce_scatter(b) -> None:
+    """gradwire.comm.reduce_scatter over MPI: rank j's chunk is the fp32 rank-order sum of every
+    rank's packets for it, decoded (the same exchange the FSDP hook runs over gloo/NCCL)."""
+    from dataclasses import replace
+
+    from gradwire.comm.reduce_scatter import AlltoallReduceScatter
+    from gradwire.comm.strategies import Segment
+    from gradwire.compress import Ctx, compressor
+
+    segs = [Segment("w", 0, 96), Segment("v", 96, 200)]
+    chunk = 296
+
+    def grad(rank: int) -> torch.Tensor:
+        return torch.randn(b.world_size * chunk, generator=torch.Generator().manual_seed(50 + rank))
+
+    for spec in ("int8", "topk:ratio=0.05"):  # static sizes, then sizes exchanged first
+        got = AlltoallReduceScatter(b, spec, error_feedback=False).reduce_scatter(
+            grad(b.rank), segs, Ctx(seed=1, rank=b.rank), average=True).wait()
+        c, want = compressor(spec), torch.zeros(chunk)
+        for r in range(b.world_size):
+            part = grad(r).view(b.world_size, chunk)[b.rank]
+            for s in segs:
+                ctx = replace(Ctx(seed=1, rank=r), key=Ctx.key_of(f"{s.key}/{b.rank}"))
+                s.of(want).add_(c.decode(c.encode(s.of(part), ctx)))
+        bits_equal(got, want.div_(b.world_size), f"{spec} reduce-scatter")

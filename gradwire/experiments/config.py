@@ -8,10 +8,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gradwire.compress import compressor as make_compressor
+from gradwire.comm.registry import STRATEGIES
+from gradwire.compress import compressor as make_compressor, resolve_error_feedback
 
 SPARSIFIERS = ("topk", "randomk", "dgc")
-UNBIASED = ("randomk", "qsgd", "terngrad")  # unbiased, not contractive: error feedback would hurt them
+ENGINES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -41,35 +42,38 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
         options.setdefault("rank", 1)
         ef = error_feedback != "off"
         return Method(f"powersgd:rank={options['rank']}", "none", "powersgd", options, ef)
+    label = spec
+    spec, _, via = spec.partition("@")  # "topk:ratio=0.01@oktopk": this method's own strategy
     c = make_compressor(spec)  # raises ValueError naming what was wrong
     canonical = str(c)
-    head = spec.split("+")[0].split(":")[0]
-    if strategy == "default":
+    if via:
+        if via not in STRATEGIES:
+            raise ValueError(f"unknown strategy {via!r} in {label!r}; valid: {', '.join(STRATEGIES)}")
+        chosen = via
+    elif strategy == "default":
         chosen = "allreduce" if c.summable else "allgather"
     else:
         chosen = strategy
-    if error_feedback == "auto":
-        ef = head not in UNBIASED and not (c.summable and head in ("none", "fp16", "bf16"))
-    else:
-        ef = error_feedback == "on"
-    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto") else {}
-    return Method(spec, canonical, chosen, options, ef)
+    ef = resolve_error_feedback(error_feedback, c)  # "auto": the library's rule, Compressor.feedback_helps
+    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto", "oktopk") else {}
+    return Method(label, canonical, chosen, options, ef)
 
 
 def expand_methods(items: list[str], ratios: list[float]) -> list[str]:
-    """`topk` with ratios [0.01, 0.1] -> `topk:ratio=0.01`, `topk:ratio=0.1`; explicit specs stay."""
+    """`topk` with ratios [0.01, 0.1] -> `topk:ratio=0.01`, `topk:ratio=0.1` (`@strategy` kept
+    at the end); explicit specs stay."""
     out: list[str] = []
     for item in items:
-        item = item.strip()
+        item, at, via = item.strip().partition("@")
         if not item:
             continue
         name = item.split(":")[0].split("+")[0]
         if name in SPARSIFIERS and "ratio=" not in item:
             head, plus, tail = item.partition("+")
             sep = "," if ":" in head else ":"
-            out.extend(f"{head}{sep}ratio={r:g}{plus}{tail}" for r in ratios)
+            out.extend(f"{head}{sep}ratio={r:g}{plus}{tail}{at}{via}" for r in ratios)
         else:
-            out.append(item)
+            out.append(f"{item}{at}{via}")
     seen: set[str] = set()
     return [m for m in out if not (m in seen or seen.add(m))]
 
@@ -93,9 +97,16 @@ class RunConfig:
     error_feedback: str = "auto"
     data_dir: str | None = None
     min_numel: int = 0  # tensors under this many elements are sent uncompressed (allgather/auto only)
+    engine: str = "ddp"  # "ddp" or "fsdp" (FSDP2 fully_shard, gradwire's compressed reduce-scatter)
 
     def resolved(self) -> Method:
-        return parse_method(self.method, self.strategy, self.error_feedback, self.min_numel)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        method = parse_method(self.method, self.strategy, self.error_feedback, self.min_numel)
+        if self.engine == "fsdp" and method.strategy == "powersgd":
+            raise ValueError("powersgd needs an all-reduce; FSDP reduce-scatters (it runs on HSDP's cross-replica "
+                             "all-reduce, which needs the node-aware cluster: --engine hsdp is not available yet)")
+        return method
 
     def uses_min_numel(self) -> bool:
         return "min_numel" in self.resolved().options
@@ -104,10 +115,13 @@ class RunConfig:
         d = asdict(self)
         if not d["min_numel"]:
             del d["min_numel"]  # added later: runs without it keep their ids and resume
+        if d["engine"] == "ddp":
+            del d["engine"]  # likewise
         return d
 
     @property
     def run_id(self) -> str:
         digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
         slug = re.sub(r"[^A-Za-z0-9.=]+", "_", self.resolved().label)
-        return f"{self.task}-{self.arch}{self.width}-{slug}-w{self.world}-{self.link}-s{self.seed}-{digest}"
+        engine = "" if self.engine == "ddp" else f"-{self.engine}"
+        return f"{self.task}-{self.arch}{self.width}-{slug}{engine}-w{self.world}-{self.link}-s{self.seed}-{digest}"
