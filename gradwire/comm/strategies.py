@@ -298,14 +298,14 @@ class Allgather(Strategy):
         size = None if None in static else 8 * len(segs) + sum(static)  # type: ignore[operator]
         t1 = time.perf_counter()
         self.stats.encode_s += t1 - t0
-        world, rank = self.backend.world_size, self.backend.rank
+        world = self.backend.world_size
 
         def finish(messages: list[torch.Tensor]) -> torch.Tensor:
             t2 = time.perf_counter()
             self.stats.exchange_s += t2 - t1
             self._count(key, x, message.numel(), sum(m.numel() for m in messages) - message.numel())
             total = x.zero_() if self.into_input else torch.zeros_like(x)  # x was read by the encode only
-            for r, m in enumerate(messages):  # rank order: bit-identical sums on every rank
+            for m in messages:  # rank order: bit-identical sums on every rank
                 for seg, c, packet in zip(segs, codecs, split_message(m, len(segs))):
                     c.add_decoded(packet, seg.of(total))  # no dense decode
             if average:
