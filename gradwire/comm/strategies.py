@@ -41,12 +41,15 @@ class ExchangeStats:
     exchange_s: float = 0.0
     decode_s: float = 0.0
     buckets: dict[str, str] = field(default_factory=dict)  # bucket key -> strategy used
+    intra_bytes_sent: int = 0  # of bytes_sent/received: what stayed inside a node (hierarchical)
+    intra_bytes_received: int = 0
 
     def merge(self, other: "ExchangeStats") -> "ExchangeStats":
         return ExchangeStats(self.bytes_sent + other.bytes_sent, self.bytes_received + other.bytes_received,
                              self.dense_bytes + other.dense_bytes, self.encode_s + other.encode_s,
                              self.exchange_s + other.exchange_s, self.decode_s + other.decode_s,
-                             {**self.buckets, **other.buckets})
+                             {**self.buckets, **other.buckets}, self.intra_bytes_sent + other.intra_bytes_sent,
+                             self.intra_bytes_received + other.intra_bytes_received)
 
     @property
     def ratio(self) -> float:
@@ -55,7 +58,10 @@ class ExchangeStats:
     def as_dict(self) -> dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "dense_bytes": self.dense_bytes, "ratio": self.ratio, "encode_s": self.encode_s,
-                "exchange_s": self.exchange_s, "decode_s": self.decode_s, "buckets": dict(self.buckets)}
+                "exchange_s": self.exchange_s, "decode_s": self.decode_s, "buckets": dict(self.buckets),
+                "intra_bytes_sent": self.intra_bytes_sent, "intra_bytes_received": self.intra_bytes_received,
+                "inter_bytes_sent": self.bytes_sent - self.intra_bytes_sent,
+                "inter_bytes_received": self.bytes_received - self.intra_bytes_received}
 
 
 @dataclass(frozen=True)
