@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from .. import launch
+from .. import launch, loader
 from .build import guard_library
 from .module import Schedule
 
@@ -128,6 +130,9 @@ class EmulatedDevice:
 
     def __init__(self, schedule: Schedule | str = "lowest", source=None, sms: int = 2, tsan: bool = False):
         self.schedule = Schedule.parse(schedule) if isinstance(schedule, str) else schedule
+        if source is None and os.environ.get("GRADWIRE_EMULATOR_KERNELS"):  # a planted copy (scripts/cuda_mutations.py)
+            kernel_dir = Path(os.environ["GRADWIRE_EMULATOR_KERNELS"])
+            source = functools.partial(loader.source, kernel_dir=kernel_dir)
         kw = {} if source is None else {"source": source}
         self.launcher = launch.EmulatorLauncher(self.schedule, sms=sms, host=host, tsan=tsan, **kw)
         self.host_reads = 0
