@@ -68,9 +68,17 @@ class EmulatorLauncher:
 
         if name not in loader.INSTANTIATIONS[file]:
             raise KeyError(f"{name} is not instantiated in {file}; add it to INSTANTIATIONS")
-        module = load(file.removesuffix(".cu"), self.source(file), loader.INSTANTIATIONS[file], self.tsan)
+        stem, text, names = file.removesuffix(".cu"), self.source(file), loader.INSTANTIATIONS[file]
+        kernel = load(stem, text, names).get_function(name)
         conv = tuple(self.host(a) if isinstance(a, torch.Tensor) else a for a in args)
-        module.get_function(name)(grid, block, conv, self.schedule)
+        if self.tsan:  # the same launch on the same inputs, first in the TSan build
+            from .emulator import EmulatorError, tsan
+
+            kernel.check(conv)
+            races, report, err = tsan.host(stem, text, names).replay(name, grid, block, conv, self.schedule)
+            if races:
+                raise EmulatorError(f"{name}: ThreadSanitizer reports {races} data race(s):\n{report[-6000:]}")
+        kernel(grid, block, conv, self.schedule)
         self.launches += 1
 
     def stream(self, device: torch.device) -> ContextManager[None]:

@@ -84,7 +84,8 @@ class Kernel:
         self._fn.argtypes = [ctypes.POINTER(_Desc)]
         self.launches = 0
 
-    def _check(self, args: tuple) -> None:
+    def check(self, args: tuple) -> None:
+        """Raise TypeError/ValueError unless `args` match the kernel's parameters."""
         if len(args) != len(self.params):
             raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} parameters")
         for i, (a, p) in enumerate(zip(args, self.params)):
@@ -110,7 +111,7 @@ class Kernel:
                                 f"(kind {kind}, {width} bytes)")
 
     def __call__(self, grid, block, args: tuple, schedule: Schedule = Schedule()) -> None:
-        self._check(args)
+        self.check(args)
         g, b = _dim3(grid), _dim3(block)
         if b[0] * b[1] * b[2] > 1024:
             raise ValueError(f"{self.name}: {b[0] * b[1] * b[2]} threads per block (at most 1024)")

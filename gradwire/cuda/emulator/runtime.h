@@ -33,6 +33,11 @@
 
 #ifdef GW_TSAN
 #include <sanitizer/tsan_interface.h>
+// The runtime's own bookkeeping is not the kernel's memory traffic: not instrumented.
+#define GW_RT __attribute__((no_sanitize_thread, noinline))
+#define GW_TSAN_SWITCH(f) __tsan_switch_to_fiber((f), __tsan_switch_to_fiber_no_sync)
+#else
+#define GW_RT
 #endif
 
 #define __CUDACC__ 1
@@ -45,7 +50,11 @@
 #define __noinline__ __attribute__((noinline))
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
+#ifdef GW_TSAN  // TSan does not track TLS; tsan_host runs one thread, so plain statics do
+#define __shared__ static
+#else
 #define __shared__ static thread_local
+#endif
 
 struct uint3 { unsigned x, y, z; };
 struct dim3 { unsigned x, y, z; };
@@ -111,6 +120,12 @@ struct Launch {
     const void* kernel_args;
 #ifdef GW_TSAN
     void* tsan_main;
+    // ThreadSanitizer sync objects, each in its own 8-byte word: the only orderings are
+    // the launch (start, end), __syncthreads and __syncwarp (one word per warp)
+    // (two words per barrier, by phase: a fiber's release for the next barrier must not
+    // reach a slower fiber still acquiring the previous one)
+    uint64_t start_sync, end_sync, bar_sync[2], warp_sync[32][2];
+    unsigned bar_gen, warp_gen[32];
 #endif
 };
 
@@ -148,7 +163,7 @@ gw_ctx_switch:
     .size gw_ctx_switch, .-gw_ctx_switch
 )");
 
-static inline uint64_t next_rand(Launch* L) {  // splitmix64
+GW_RT static inline uint64_t next_rand(Launch* L) {  // splitmix64
     uint64_t z = (L->rng += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -157,16 +172,16 @@ static inline uint64_t next_rand(Launch* L) {  // splitmix64
 
 static inline unsigned nthreads(const Launch* L) { return L->bdim.x * L->bdim.y * L->bdim.z; }
 
-static void to_scheduler(Launch* L) {
+GW_RT static void to_scheduler(Launch* L) {
     Fiber* me = L->cur;
 #ifdef GW_TSAN
-    __tsan_switch_to_fiber(L->tsan_main, 0);
+    GW_TSAN_SWITCH(L->tsan_main);
 #endif
     gw_ctx_switch(&me->sp, L->sched_sp);
 }
 
 // Record the first error and leave the fibers for good.
-__attribute__((format(printf, 2, 3))) static void fail(Launch* L, const char* fmt, ...) {
+GW_RT __attribute__((format(printf, 2, 3))) static void fail(Launch* L, const char* fmt, ...) {
     if (!L->failed) {
         L->failed = true;
         int n = snprintf(L->d->err, sizeof L->d->err, "block (%u,%u,%u): ", L->bidx.x, L->bidx.y, L->bidx.z);
@@ -197,7 +212,7 @@ static const char* state_str(const Fiber& f) {
 }
 
 // ---- the scheduler ---------------------------------------------------------------------------
-static Fiber* pick(Launch* L) {
+GW_RT static Fiber* pick(Launch* L) {
     const unsigned n = nthreads(L);
     if (L->d->sched == LOWEST) {
         for (unsigned i = 0; i < n; ++i) if (L->f[i].state == READY) return &L->f[i];
@@ -220,7 +235,7 @@ static inline unsigned warp_lanes(const Launch* L, unsigned w) {  // lanes that 
     return c == 32 ? 0xFFFFFFFFu : ((1u << c) - 1u);
 }
 
-static void try_barrier(Launch* L) {
+GW_RT static void try_barrier(Launch* L) {
     const unsigned n = nthreads(L);
     const Fiber* first = nullptr;
     for (unsigned i = 0; i < n; ++i) {
@@ -239,9 +254,12 @@ static void try_barrier(Launch* L) {
         }
     }
     for (unsigned i = 0; i < n; ++i) if (L->f[i].state == BAR) L->f[i].state = READY;
+#ifdef GW_TSAN
+    ++L->bar_gen;
+#endif
 }
 
-static uint64_t lane_src(const Fiber& f, int lane) {  // source lane of a shuffle
+GW_RT static uint64_t lane_src(const Fiber& f, int lane) {  // source lane of a shuffle
     const int w = f.width, seg = lane & ~(w - 1), end = seg + w;
     int s = lane;
     switch (f.op) {
@@ -253,7 +271,7 @@ static uint64_t lane_src(const Fiber& f, int lane) {  // source lane of a shuffl
     return (uint64_t)s;
 }
 
-static void try_warp(Launch* L, Fiber* me) {
+GW_RT static void try_warp(Launch* L, Fiber* me) {
     const unsigned w = me->tid / 32, base = 32 * w, exist = warp_lanes(L, w), m = me->mask;
     for (int l = 0; l < 32; ++l) {
         if (!(m >> l & 1u)) continue;
@@ -328,11 +346,14 @@ static void try_warp(Launch* L, Fiber* me) {
         }
     }
     for (int i = 0; i < cnt; ++i) g[i]->state = READY;
+#ifdef GW_TSAN
+    if (op == SYNCWARP) ++L->warp_gen[w % 32];
+#endif
 }
 
 // __activemask: once no lane of the warp can run, the lanes parked at the same call site
 // are the active set; with `split`, a set may be cut in two at random (legal on hardware).
-static void try_activemask(Launch* L, unsigned w) {
+GW_RT static void try_activemask(Launch* L, unsigned w) {
     const unsigned base = 32 * w, n = nthreads(L);
     const unsigned hi = base + 32 < n ? base + 32 : n;
     for (unsigned i = base; i < hi; ++i) if (L->f[i].state == READY) return;
@@ -355,7 +376,7 @@ static void try_activemask(Launch* L, unsigned w) {
     }
 }
 
-static void on_exit(Launch* L, Fiber* me) {
+GW_RT static void on_exit(Launch* L, Fiber* me) {
     const unsigned w = me->tid / 32, base = 32 * w, n = nthreads(L);
     const unsigned hi = base + 32 < n ? base + 32 : n;
     for (unsigned i = base; i < hi; ++i) {
@@ -369,7 +390,7 @@ static void on_exit(Launch* L, Fiber* me) {
     try_barrier(L);
 }
 
-static void report_deadlock(Launch* L) {
+GW_RT static void report_deadlock(Launch* L) {
     std::string s = "deadlock: no thread can run;";
     const unsigned n = nthreads(L);
     char b[256];
@@ -387,7 +408,7 @@ static void report_deadlock(Launch* L) {
 
 static void fiber_main();
 
-static void run_block(Launch* L) {
+GW_RT static void run_block(Launch* L) {
     const unsigned n = nthreads(L);
     for (unsigned t = 0; t < n; ++t) {
         Fiber& f = L->f[t];
@@ -410,6 +431,9 @@ static void run_block(Launch* L) {
 #endif
     }
     L->in_fibers = true;
+#ifdef GW_TSAN
+    __tsan_release(&L->start_sync);
+#endif
     for (;;) {
         Fiber* f = pick(L);
         if (!f) {
@@ -420,7 +444,7 @@ static void run_block(Launch* L) {
         }
         L->cur = f;
 #ifdef GW_TSAN
-        __tsan_switch_to_fiber(f->tsan, 0);
+        GW_TSAN_SWITCH(f->tsan);
 #endif
         gw_ctx_switch(&L->sched_sp, f->sp);
         L->cur = nullptr;
@@ -437,13 +461,20 @@ static void run_block(Launch* L) {
     }
     L->in_fibers = false;
 #ifdef GW_TSAN
+    __tsan_acquire(&L->end_sync);
     for (unsigned t = 0; t < n; ++t) __tsan_destroy_fiber(L->f[t].tsan);
 #endif
 }
 
-static void fiber_main() {
+GW_RT static void fiber_main() {
     Launch* L = tl_launch;
+#ifdef GW_TSAN
+    __tsan_acquire(&L->start_sync);
+#endif
     L->body(L);
+#ifdef GW_TSAN
+    __tsan_release(&L->end_sync);
+#endif
     L->cur->state = DONE;
     to_scheduler(L);
     __builtin_trap();  // an exited fiber is never resumed
@@ -465,7 +496,7 @@ static int find_tls(struct dl_phdr_info* info, size_t, void* arg) {
     return 1;
 }
 
-static void poison_shared(Launch* L, unsigned char byte) {
+GW_RT static void poison_shared(Launch* L, unsigned char byte) {
     Dl_info di;
     dladdr((void*)&poison_shared, &di);
     TlsFind t = {(uintptr_t)di.dli_fbase, nullptr, 0};
@@ -479,7 +510,7 @@ static void poison_shared(Launch* L, unsigned char byte) {
 // ---- faults -------------------------------------------------------------------------------
 static std::mutex g_sig_mu;
 
-static void on_fault(int sig, siginfo_t* si, void*) {
+GW_RT static void on_fault(int sig, siginfo_t* si, void*) {
     Launch* L = tl_launch;
     if (!L || !L->in_fibers) {  // not ours: fall back to the default action, re-raised on return
         signal(sig, SIG_DFL);
@@ -532,7 +563,7 @@ template <typename... P> struct Bound {
     std::tuple<typename std::decay<P>::type...> a;
 };
 
-template <typename B> static void call_bound(Launch* L) {
+template <typename B> GW_RT static void call_bound(Launch* L) {
     const B* b = (const B*)L->kernel_args;
     std::apply(b->k, b->a);
 }
@@ -544,7 +575,7 @@ static std::tuple<typename std::decay<P>::type...> unpack(void** args, std::inde
 
 static const size_t STACK = 64 << 10;
 
-template <typename... P> int launch(void (*k)(P...), Desc* d) {
+template <typename... P> GW_RT int launch(void (*k)(P...), Desc* d) {
     Bound<P...> b{k, unpack<P...>(d->args, std::index_sequence_for<P...>())};
     Launch* L = new Launch();
     L->d = d;
@@ -610,13 +641,20 @@ template <typename... P> int launch(void (*k)(P...), Desc* d) {
 // ---- what kernels call ------------------------------------------------------------------------
 static inline Launch* cur() { return tl_launch; }
 
-static __attribute__((noinline)) void syncthreads(int line) {
+GW_RT static __attribute__((noinline)) void syncthreads(int line) {
     Launch* L = cur();
     Fiber* f = L->cur;
     f->site = __builtin_return_address(0);
     f->line = line;
     f->state = BAR;
+#ifdef GW_TSAN
+    const unsigned phase = L->bar_gen & 1u;
+    __tsan_release(&L->bar_sync[phase]);
+#endif
     to_scheduler(L);
+#ifdef GW_TSAN
+    __tsan_acquire(&L->bar_sync[phase]);
+#endif
 }
 
 template <typename T> static inline uint64_t to_bits(T v) {
@@ -631,8 +669,8 @@ template <typename T> static inline T from_bits(uint64_t b) {
     return v;
 }
 
-static __attribute__((noinline)) uint64_t warp_op(int line, int op, unsigned mask, int size, uint64_t val,
-                                                  int param, int width, int* pred_io) {
+GW_RT static __attribute__((noinline)) uint64_t warp_op(int line, int op, unsigned mask, int size, uint64_t val,
+                                                  int param, int width, int pred, int* pred_out) {
     Launch* L = cur();
     Fiber* f = L->cur;
     const unsigned lane = f->tid % 32;
@@ -644,14 +682,21 @@ static __attribute__((noinline)) uint64_t warp_op(int line, int op, unsigned mas
     f->site = __builtin_return_address(0);
     f->line = line;
     f->op = op; f->mask = mask; f->size = size; f->val = val; f->param = param; f->width = width;
-    f->pred = pred_io ? *pred_io : 0;
+    f->pred = pred;
     f->state = WARP;
+#ifdef GW_TSAN
+    const unsigned w = f->tid / 32 % 32, phase = L->warp_gen[w] & 1u;
+    if (op == SYNCWARP) __tsan_release(&L->warp_sync[w][phase]);
+#endif
     to_scheduler(L);
-    if (pred_io && op == MATCH_ALL) *pred_io = f->pred;
+#ifdef GW_TSAN
+    if (op == SYNCWARP) __tsan_acquire(&L->warp_sync[w][phase]);
+#endif
+    if (pred_out) *pred_out = f->pred;
     return f->result;
 }
 
-static __attribute__((noinline)) unsigned activemask(int line) {
+GW_RT static __attribute__((noinline)) unsigned activemask(int line) {
     Launch* L = cur();
     Fiber* f = L->cur;
     f->site = __builtin_return_address(0);
@@ -664,10 +709,23 @@ static __attribute__((noinline)) unsigned activemask(int line) {
 }  // namespace gw
 
 // ---- CUDA names -----------------------------------------------------------------------------
+#ifdef GW_TSAN
+namespace gw {
+GW_RT static uint3 thread_idx() { return tl_launch->cur->idx; }
+GW_RT static uint3 block_idx() { return tl_launch->bidx; }
+GW_RT static dim3 block_dim() { return tl_launch->bdim; }
+GW_RT static dim3 grid_dim() { return tl_launch->gdim; }
+}  // namespace gw
+#define threadIdx (gw::thread_idx())
+#define blockIdx (gw::block_idx())
+#define blockDim (gw::block_dim())
+#define gridDim (gw::grid_dim())
+#else
 #define threadIdx (gw::tl_launch->cur->idx)
 #define blockIdx (gw::tl_launch->bidx)
 #define blockDim (gw::tl_launch->bdim)
 #define gridDim (gw::tl_launch->gdim)
+#endif
 #define warpSize 32
 
 #define __syncthreads() gw::syncthreads(__LINE__)
@@ -677,32 +735,30 @@ static __attribute__((noinline)) unsigned activemask(int line) {
 #define __shfl_xor_sync(...) gw_shfl(__LINE__, gw::SHFL_XOR, __VA_ARGS__)
 #define __shfl_up_sync(...) gw_shfl(__LINE__, gw::SHFL_UP, __VA_ARGS__)
 #define __shfl_down_sync(...) gw_shfl(__LINE__, gw::SHFL_DOWN, __VA_ARGS__)
-#define __ballot_sync(m, p) ((unsigned)gw::warp_op(__LINE__, gw::BALLOT, (m), 0, 0, 0, 32, gw_pred(p)))
-#define __any_sync(m, p) ((int)gw::warp_op(__LINE__, gw::ANY, (m), 0, 0, 0, 32, gw_pred(p)))
-#define __all_sync(m, p) ((int)gw::warp_op(__LINE__, gw::ALL, (m), 0, 0, 0, 32, gw_pred(p)))
+#define __ballot_sync(m, p) ((unsigned)gw::warp_op(__LINE__, gw::BALLOT, (m), 0, 0, 0, 32, (p) ? 1 : 0, nullptr))
+#define __any_sync(m, p) ((int)gw::warp_op(__LINE__, gw::ANY, (m), 0, 0, 0, 32, (p) ? 1 : 0, nullptr))
+#define __all_sync(m, p) ((int)gw::warp_op(__LINE__, gw::ALL, (m), 0, 0, 0, 32, (p) ? 1 : 0, nullptr))
 #define __match_any_sync(m, v) gw_match_any(__LINE__, (m), (v))
 #define __match_all_sync(m, v, pred) gw_match_all(__LINE__, (m), (v), (pred))
-#define __reduce_add_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_ADD, (m), 4, (unsigned)(v), 0, 32, nullptr))
-#define __reduce_min_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_MIN, (m), 4, (unsigned)(v), 0, 32, nullptr))
-#define __reduce_max_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_MAX, (m), 4, (unsigned)(v), 0, 32, nullptr))
-#define __reduce_and_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_AND, (m), 4, (unsigned)(v), 0, 32, nullptr))
-#define __reduce_or_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_OR, (m), 4, (unsigned)(v), 0, 32, nullptr))
-#define __reduce_xor_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_XOR, (m), 4, (unsigned)(v), 0, 32, nullptr))
+#define __reduce_add_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_ADD, (m), 4, (unsigned)(v), 0, 32, 0, nullptr))
+#define __reduce_min_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_MIN, (m), 4, (unsigned)(v), 0, 32, 0, nullptr))
+#define __reduce_max_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_MAX, (m), 4, (unsigned)(v), 0, 32, 0, nullptr))
+#define __reduce_and_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_AND, (m), 4, (unsigned)(v), 0, 32, 0, nullptr))
+#define __reduce_or_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_OR, (m), 4, (unsigned)(v), 0, 32, 0, nullptr))
+#define __reduce_xor_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_XOR, (m), 4, (unsigned)(v), 0, 32, 0, nullptr))
 
-static inline int* gw_pred_slot() { static thread_local int p; return &p; }
-static inline int* gw_pred(int p) { int* s = gw_pred_slot(); *s = p ? 1 : 0; return s; }
 static inline void gw_syncwarp(int line, unsigned mask = 0xFFFFFFFFu) {
-    gw::warp_op(line, gw::SYNCWARP, mask, 0, 0, 0, 32, nullptr);
+    gw::warp_op(line, gw::SYNCWARP, mask, 0, 0, 0, 32, 0, nullptr);
 }
 template <typename T> static inline T gw_shfl(int line, int op, unsigned mask, T v, int p, int width = 32) {
-    return gw::from_bits<T>(gw::warp_op(line, op, mask, (int)sizeof(T), gw::to_bits(v), p, width, nullptr));
+    return gw::from_bits<T>(gw::warp_op(line, op, mask, (int)sizeof(T), gw::to_bits(v), p, width, 0, nullptr));
 }
 template <typename T> static inline unsigned gw_match_any(int line, unsigned mask, T v) {
-    return (unsigned)gw::warp_op(line, gw::MATCH_ANY, mask, (int)sizeof(T), gw::to_bits(v), 0, 32, nullptr);
+    return (unsigned)gw::warp_op(line, gw::MATCH_ANY, mask, (int)sizeof(T), gw::to_bits(v), 0, 32, 0, nullptr);
 }
 template <typename T> static inline unsigned gw_match_all(int line, unsigned mask, T v, int* pred) {
     int p = 0;
-    const unsigned r = (unsigned)gw::warp_op(line, gw::MATCH_ALL, mask, (int)sizeof(T), gw::to_bits(v), 0, 32, &p);
+    const unsigned r = (unsigned)gw::warp_op(line, gw::MATCH_ALL, mask, (int)sizeof(T), gw::to_bits(v), 0, 32, 0, &p);
     *pred = p;
     return r;
 }
