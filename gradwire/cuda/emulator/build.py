@@ -23,7 +23,7 @@ from pathlib import Path
 RUNTIME = Path(__file__).with_name("runtime.h")
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-gnu-unique", "-fvisibility=hidden",
          "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE", "-w")
-TSAN_FLAGS = ("-fsanitize=thread", "-DGW_TSAN=1", "-O1", "-g")
+TSAN_FLAGS = ("-fsanitize=thread", "-DGW_TSAN=1", "-O1", "-g1")  # -g1: line tables for the reports
 
 
 def compiler() -> str | None:

@@ -408,6 +408,16 @@ GW_RT static void report_deadlock(Launch* L) {
 
 static void fiber_main();
 
+#ifdef GW_TSAN
+// TSan fibers are costly to create: thread t of every block and launch reuses fiber t (its
+// program order then orders consecutive blocks, which run one after another anyway).
+GW_RT static void* tsan_fiber(unsigned t) {
+    static void* pool[1024];
+    if (!pool[t]) pool[t] = __tsan_create_fiber(0);
+    return pool[t];
+}
+#endif
+
 GW_RT static void run_block(Launch* L) {
     const unsigned n = nthreads(L);
     for (unsigned t = 0; t < n; ++t) {
@@ -427,7 +437,7 @@ GW_RT static void run_block(Launch* L) {
         *--sp = 0x037F00001F80ull;          // mxcsr (low word), x87 control word (high)
         f.sp = sp;
 #ifdef GW_TSAN
-        f.tsan = __tsan_create_fiber(0);
+        f.tsan = tsan_fiber(t);
 #endif
     }
     L->in_fibers = true;
@@ -462,7 +472,6 @@ GW_RT static void run_block(Launch* L) {
     L->in_fibers = false;
 #ifdef GW_TSAN
     __tsan_acquire(&L->end_sync);
-    for (unsigned t = 0; t < n; ++t) __tsan_destroy_fiber(L->f[t].tsan);
 #endif
 }
 
