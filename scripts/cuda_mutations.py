@@ -3,9 +3,10 @@
 For every mutation, copy gradwire/cuda/kernels/ to a temporary directory, plant one bug of
 a class that passes silently on a CPU (a removed barrier, a full mask where the active
 mask belongs, an off-by-one bound, a half-warp shuffle mask, lanes leaving before a
-shuffle, a missing butterfly stage, a removed scan barrier), and run the emulated parity
-tests against the copy (GRADWIRE_EMULATOR_KERNELS) until the first failure. A mutation
-that survives the whole selection fails the check.
+shuffle, a missing butterfly stage, a removed scan barrier, a non-atomic shared add), and
+run the emulated parity tests (the TSan pass for the last) against the copy
+(GRADWIRE_EMULATOR_KERNELS) until the first failure. A mutation that survives the whole
+selection fails the check.
 
     python scripts/cuda_mutations.py            # all mutations
     python scripts/cuda_mutations.py -k scan    # those whose name contains "scan"
@@ -48,6 +49,9 @@ MUTATIONS = [
     ("scan-barrier-removed", "select.cu",
      "        const u32 add = (int)threadIdx.x >= off ? buf[threadIdx.x - off] : 0u;\n        __syncthreads();\n",
      "        const u32 add = (int)threadIdx.x >= off ? buf[threadIdx.x - off] : 0u;\n", "topk"),
+    # only ThreadSanitizer sees this one: no schedule interleaves a read-modify-write
+    ("shared-add-not-atomic", "select.cu",
+     "atomicAdd(&h[bin], (u32)__popc(peers));", "h[bin] += (u32)__popc(peers);", "tsan:topk"),
 ]
 
 
@@ -60,10 +64,13 @@ def plant(dest: Path, file: str, old: str, new: str) -> None:
 
 
 def run(kernels: Path, select: str) -> tuple[bool, str, float]:
-    """(suite failed, first failure line, seconds)."""
+    """(suite failed, first failure line, seconds). `select` "tsan:EXPR" runs the TSan pass."""
     env = dict(os.environ, GRADWIRE_EMULATOR_KERNELS=str(kernels), PYTHONPATH=str(ROOT))
-    expr = f"emu and (byte_identical or within_tolerance) and not 1000003 and ({select})"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cuda_parity.py", "-k", expr]
+    if select.startswith("tsan:"):
+        tests, expr = "tests/test_cuda_tsan.py", f"race_free and ({select[5:]})"
+    else:
+        tests, expr = "tests/test_cuda_parity.py", f"emu and (byte_identical or within_tolerance) and not 1000003 and ({select})"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", tests, "-k", expr]
     t = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     took = time.perf_counter() - t
