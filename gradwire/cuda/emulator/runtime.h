@@ -108,6 +108,7 @@ struct Launch {
     uint3 bidx;
     dim3 bdim, gdim;
     std::vector<Fiber> f;
+    uint64_t ready[16];  // bit t: fiber t can run (the scheduler's pick reads only this)
     Fiber* cur;
     void* sched_sp;
     char* stacks;
@@ -212,24 +213,41 @@ static const char* state_str(const Fiber& f) {
 }
 
 // ---- the scheduler ---------------------------------------------------------------------------
-GW_RT static Fiber* pick(Launch* L) {
-    const unsigned n = nthreads(L);
-    if (L->d->sched == LOWEST) {
-        for (unsigned i = 0; i < n; ++i) if (L->f[i].state == READY) return &L->f[i];
-    } else if (L->d->sched == HIGHEST) {
-        for (unsigned i = n; i-- > 0;) if (L->f[i].state == READY) return &L->f[i];
-    } else {
-        unsigned cnt = 0;
-        for (unsigned i = 0; i < n; ++i) cnt += L->f[i].state == READY;
-        if (!cnt) return nullptr;
-        unsigned k = (unsigned)(next_rand(L) % cnt);
-        for (unsigned i = 0; i < n; ++i)
-            if (L->f[i].state == READY && k-- == 0) return &L->f[i];
-    }
-    return nullptr;
+GW_RT static inline void mark_ready(Launch* L, unsigned t) {
+    L->f[t].state = READY;
+    L->ready[t >> 6] |= 1ull << (t & 63);
 }
 
-static inline unsigned warp_lanes(const Launch* L, unsigned w) {  // lanes that exist in warp w
+// The next fiber to run, by policy; it leaves the ready set (it runs until it parks).
+GW_RT static Fiber* pick(Launch* L) {
+    const unsigned words = (nthreads(L) + 63) / 64;
+    int t = -1;
+    if (L->d->sched == LOWEST) {
+        for (unsigned w = 0; w < words && t < 0; ++w)
+            if (L->ready[w]) t = (int)(64 * w + __builtin_ctzll(L->ready[w]));
+    } else if (L->d->sched == HIGHEST) {
+        for (unsigned w = words; w-- > 0 && t < 0;)
+            if (L->ready[w]) t = (int)(64 * w + 63 - __builtin_clzll(L->ready[w]));
+    } else {
+        unsigned cnt = 0;
+        for (unsigned w = 0; w < words; ++w) cnt += __builtin_popcountll(L->ready[w]);
+        if (cnt) {
+            unsigned k = (unsigned)(next_rand(L) % cnt);
+            for (unsigned w = 0; w < words && t < 0; ++w) {
+                const unsigned c = __builtin_popcountll(L->ready[w]);
+                if (k >= c) { k -= c; continue; }
+                uint64_t m = L->ready[w];
+                for (unsigned j = 0; j < k; ++j) m &= m - 1;  // drop the k lowest set bits
+                t = (int)(64 * w + __builtin_ctzll(m));
+            }
+        }
+    }
+    if (t < 0) return nullptr;
+    L->ready[t >> 6] &= ~(1ull << (t & 63));
+    return &L->f[t];
+}
+
+GW_RT static inline unsigned warp_lanes(const Launch* L, unsigned w) {  // lanes that exist in warp w
     const unsigned n = nthreads(L), lo = 32 * w;
     const unsigned c = n - lo >= 32 ? 32 : n - lo;
     return c == 32 ? 0xFFFFFFFFu : ((1u << c) - 1u);
@@ -253,7 +271,7 @@ GW_RT static void try_barrier(Launch* L) {
             return;
         }
     }
-    for (unsigned i = 0; i < n; ++i) if (L->f[i].state == BAR) L->f[i].state = READY;
+    for (unsigned i = 0; i < n; ++i) if (L->f[i].state == BAR) mark_ready(L, i);
 #ifdef GW_TSAN
     ++L->bar_gen;
 #endif
@@ -345,7 +363,7 @@ GW_RT static void try_warp(Launch* L, Fiber* me) {
             default: o.result = acc;
         }
     }
-    for (int i = 0; i < cnt; ++i) g[i]->state = READY;
+    for (int i = 0; i < cnt; ++i) mark_ready(L, g[i]->tid);
 #ifdef GW_TSAN
     if (op == SYNCWARP) ++L->warp_gen[w % 32];
 #endif
@@ -371,7 +389,7 @@ GW_RT static void try_activemask(Launch* L, unsigned w) {
         }
         for (unsigned j = i; j < hi; ++j) {
             const unsigned bit = 1u << (j - base);
-            if (set & bit) { L->f[j].result = (a & bit) ? a : b; L->f[j].state = READY; }
+            if (set & bit) { L->f[j].result = (a & bit) ? a : b; mark_ready(L, j); }
         }
     }
 }
@@ -420,6 +438,7 @@ GW_RT static void* tsan_fiber(unsigned t) {
 
 GW_RT static void run_block(Launch* L) {
     const unsigned n = nthreads(L);
+    memset(L->ready, 0, sizeof L->ready);
     for (unsigned t = 0; t < n; ++t) {
         Fiber& f = L->f[t];
         memset(&f, 0, sizeof f);
@@ -427,7 +446,7 @@ GW_RT static void run_block(Launch* L) {
         f.idx.x = t % L->bdim.x;
         f.idx.y = (t / L->bdim.x) % L->bdim.y;
         f.idx.z = t / (L->bdim.x * L->bdim.y);
-        f.state = READY;
+        mark_ready(L, t);
         // stack: [guard page][stack ...top]; top holds the frame gw_ctx_switch pops
         char* top = L->stacks + (size_t)(t + 1) * L->stack_bytes;
         uint64_t* sp = (uint64_t*)top;
