@@ -142,7 +142,28 @@ __global__ void read_uninit_shared(u32* out) {
     s[threadIdx.x] = 7;
 }
 
+// the same, as a template: GCC emits its static as STB_GNU_UNIQUE unless told otherwise
+template <int K> __global__ void read_uninit_shared_t(u32* out) {
+    __shared__ u32 s[64];
+    out[threadIdx.x] = s[threadIdx.x];
+    __syncthreads();
+    s[threadIdx.x] = 7 * K;
+}
+
 __global__ void divide(const int* a, int d, int* out) { out[threadIdx.x] = a[threadIdx.x] / d; }
+
+// copies x[0..n) to x[1..n], through two overlapping arguments
+__global__ void shift_right(const u32* src, u32* dst, i64 n) {
+    for (i64 i = n - 1 - (i64)threadIdx.x; i >= 0; i -= blockDim.x) {
+        const u32 v = src[i];
+        __syncthreads();
+        dst[i] = v;
+        __syncthreads();
+    }
+}
+
+__device__ __noinline__ u32 deep(u32 k) { volatile u32 pad[256]; pad[k & 255] = k; return k ? deep(k - 1) + pad[k & 255] : 0; }
+__global__ void overflow_stack(u32* out) { out[threadIdx.x] = deep(1u << 20); }
 
 __global__ void atomic_count(const u32* x, i64 n, unsigned long long* total, u32* hist) {
     for (i64 i = threadIdx.x + (i64)blockIdx.x * blockDim.x; i < n; i += (i64)blockDim.x * gridDim.x) {
@@ -153,7 +174,8 @@ __global__ void atomic_count(const u32* x, i64 n, unsigned long long* total, u32
 """
 NAMES = ("block_sum", "block_sum_no_barrier", "divergent_barrier", "half_mask", "early_exit", "shfl_outside",
          "op_mismatch", "deadlock", "full_mask_in_loop", "active_mask_in_loop", "assumes_full_active",
-         "write_past_end", "read_past_end", "write_before_start", "read_uninit_shared", "divide", "atomic_count")
+         "write_past_end", "read_past_end", "write_before_start", "read_uninit_shared", "read_uninit_shared_t<1>", "divide", "shift_right",
+         "overflow_stack", "atomic_count")
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +309,29 @@ def test_arguments_are_checked_against_parameter_types(mod):
         k(1, 32, (x, i64(8), hist, hist))  # u32 counts where a u64 total is expected
     with pytest.raises(TypeError, match="3 arguments for 4"):
         k(1, 32, (x, i64(8), total))
+
+
+def test_overlapping_arguments_alias_as_on_the_device(mod):
+    x = torch.arange(100, dtype=torch.int32)
+    mod.get_function("shift_right")(1, 32, (x[:99], x[1:], i64(99)))
+    assert x.tolist() == [0] + list(range(99))
+
+
+def test_fiber_stack_overflow_is_reported(mod):
+    with pytest.raises(EmulatorError, match="illegal address"):
+        mod.get_function("overflow_stack")(1, 2, (torch.zeros(2, dtype=torch.int32),))
+
+
+def test_two_builds_of_one_source_do_not_share_shared_memory(mod):
+    """-fno-gnu-unique -fvisibility=hidden: GCC would otherwise emit a template's local
+    statics as STB_GNU_UNIQUE, binding the second library's to the first one's (even under
+    RTLD_LOCAL), so its poisoning would miss them and the first one's 7s would show."""
+    other = emulator.load("emulator_semantics_copy", SOURCE + "// another build\n", NAMES)
+    assert other.path != mod.path
+    out = torch.zeros(64, dtype=torch.int32)
+    mod.get_function("read_uninit_shared_t<1>")(1, 64, (out,))  # leaves 7 in this library's array
+    seen = set()
+    for _ in range(3):
+        other.get_function("read_uninit_shared_t<1>")(1, 64, (out,))
+        seen.add(int(out[3]) & 0xFFFFFFFF)
+    assert 7 not in seen and seen == {0xFFFFFFFF, 0xA5A5A5A5, 0}

@@ -32,7 +32,7 @@ _POISON = 0xA5
 _ALLOC = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
           torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
           torch.ops.aten.empty_like.default}
-_NO_DEVICE_ARG = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_pinned.default}
+_HOST_READS = {torch.ops.aten._local_scalar_dense.default}  # .item(), int(t): a host read
 
 
 class EmuTensor(torch.Tensor):
@@ -94,7 +94,7 @@ class _Mode(TorchDispatchMode):
         plain = {id(a) for a in args if isinstance(a, torch.Tensor)}  # host-side inputs as given
         if func is torch.ops.aten.copy_.default and id(args[0]) in plain and not isinstance(orig0, EmuTensor):
             on_device = False  # into a host tensor
-        if wrapped and (func in _NO_DEVICE_ARG or not on_device):
+        if wrapped and (func in _HOST_READS or not on_device):
             self.dev.host_reads += 1  # a device-to-host transfer: a sync on a GPU
         out = func(*args, **kwargs)
         if func in _ALLOC and on_device and out.numel() and out.is_contiguous():
