@@ -142,7 +142,8 @@ class Kernel:
                 d.args = ptrs
                 rc = self._fn(ctypes.byref(d))
                 if rc:
-                    raise EmulatorError(self._message(d, tensors, placed, args))
+                    raise EmulatorError(f"{self._message(d, tensors, placed, args)} [grid {g}, block {b}, "
+                                        f"schedule {schedule}]")
                 for r in regions:
                     ok, addr = r.intact()
                     if not ok:
