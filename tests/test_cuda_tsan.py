@@ -43,8 +43,20 @@ __global__ void shared_missing_barrier(u32* out) {
     v[threadIdx.x] = threadIdx.x;
     out[threadIdx.x] = v[63 - threadIdx.x];  // bug: reads another thread's write, no barrier
 }
+__global__ void warp_exchange(u32* out) {
+    __shared__ u32 v[32];
+    v[threadIdx.x] = threadIdx.x * 3u;
+    __syncwarp();
+    out[threadIdx.x] = v[31 - threadIdx.x];
+}
+__global__ void warp_exchange_shfl_only(u32* out) {
+    __shared__ u32 v[32];
+    v[threadIdx.x] = threadIdx.x * 3u;
+    (void)__shfl_sync(0xFFFFFFFFu, 0u, 0);  // a shuffle exchanges registers, it orders no memory
+    out[threadIdx.x] = v[31 - threadIdx.x];
+}
 """
-NAMES = ("shared_add", "shared_atomic_add", "shared_missing_barrier")
+NAMES = ("shared_add", "shared_atomic_add", "shared_missing_barrier", "warp_exchange", "warp_exchange_shfl_only")
 
 
 def test_non_atomic_shared_add_passes_every_schedule_but_not_tsan():
@@ -59,6 +71,15 @@ def test_non_atomic_shared_add_passes_every_schedule_but_not_tsan():
     races, report, _ = host.replay("shared_atomic_add", 1, 64, (torch.zeros(1, dtype=torch.int32),), Schedule())
     assert races == 0, report
     races, report, _ = host.replay("shared_missing_barrier", 1, 64, (torch.zeros(64, dtype=torch.int32),), Schedule())
+    assert races >= 1, report
+
+
+def test_syncwarp_orders_shared_memory_and_a_shuffle_does_not():
+    host = tsan.host("tsan_probe", RACY, NAMES)
+    races, report, err = host.replay("warp_exchange", 1, 32, (torch.zeros(32, dtype=torch.int32),), Schedule())
+    assert races == 0 and not err, report
+    races, report, _ = host.replay("warp_exchange_shfl_only", 1, 32, (torch.zeros(32, dtype=torch.int32),),
+                                   Schedule("random", 4))
     assert races >= 1, report
 
 

@@ -757,7 +757,7 @@ GW_RT static dim3 grid_dim() { return tl_launch->gdim; }
 #define warpSize 32
 
 #define __syncthreads() gw::syncthreads(__LINE__)
-#define __syncwarp(...) gw_syncwarp(__LINE__, ##__VA_ARGS__)
+#define __syncwarp(...) (gw_syncwarp_at{__LINE__}(__VA_ARGS__))  // the mask is optional
 #define __activemask() gw::activemask(__LINE__)
 #define __shfl_sync(...) gw_shfl(__LINE__, gw::SHFL, __VA_ARGS__)
 #define __shfl_xor_sync(...) gw_shfl(__LINE__, gw::SHFL_XOR, __VA_ARGS__)
@@ -775,9 +775,10 @@ GW_RT static dim3 grid_dim() { return tl_launch->gdim; }
 #define __reduce_or_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_OR, (m), 4, (unsigned)(v), 0, 32, 0, nullptr))
 #define __reduce_xor_sync(m, v) ((unsigned)gw::warp_op(__LINE__, gw::RED_XOR, (m), 4, (unsigned)(v), 0, 32, 0, nullptr))
 
-static inline void gw_syncwarp(int line, unsigned mask = 0xFFFFFFFFu) {
-    gw::warp_op(line, gw::SYNCWARP, mask, 0, 0, 0, 32, 0, nullptr);
-}
+struct gw_syncwarp_at {
+    int line;
+    void operator()(unsigned mask = 0xFFFFFFFFu) const { gw::warp_op(line, gw::SYNCWARP, mask, 0, 0, 0, 32, 0, nullptr); }
+};
 template <typename T> static inline T gw_shfl(int line, int op, unsigned mask, T v, int p, int width = 32) {
     return gw::from_bits<T>(gw::warp_op(line, op, mask, (int)sizeof(T), gw::to_bits(v), p, width, 0, nullptr));
 }
