@@ -194,14 +194,6 @@ GW_RT __attribute__((format(printf, 2, 3))) static void fail(Launch* L, const ch
     if (L->in_fibers && L->cur) to_scheduler(L);  // never resumed
 }
 
-static std::string lanes_str(unsigned m) {
-    std::string s;
-    char b[16];
-    for (int l = 0; l < 32; ++l)
-        if (m >> l & 1u) { snprintf(b, sizeof b, s.empty() ? "%d" : ",%d", l); s += b; }
-    return s;
-}
-
 static const char* state_str(const Fiber& f) {
     switch (f.state) {
         case BAR: return "__syncthreads";
@@ -544,14 +536,16 @@ GW_RT static void on_fault(int sig, siginfo_t* si, void*) {
         signal(sig, SIG_DFL);
         return;
     }
-    L->d->fault_addr = (uint64_t)si->si_addr;
     const Fiber* f = L->cur;
     const char* what = sig == SIGFPE ? "arithmetic fault (integer division by zero?)"
                      : sig == SIGBUS ? "bus error" : "illegal address";
-    char* e = L->d->err;
-    snprintf(e, sizeof L->d->err, "block (%u,%u,%u) thread (%u,%u,%u): %s %p", L->bidx.x, L->bidx.y, L->bidx.z,
-             f ? f->idx.x : 0, f ? f->idx.y : 0, f ? f->idx.z : 0, what, si->si_addr);
-    if (sig != SIGFPE) L->d->fault_addr = (uint64_t)si->si_addr; else L->d->fault_addr = 0;
+    if (f)
+        snprintf(L->d->err, sizeof L->d->err, "block (%u,%u,%u) thread (%u,%u,%u): %s %p", L->bidx.x, L->bidx.y,
+                 L->bidx.z, f->idx.x, f->idx.y, f->idx.z, what, si->si_addr);
+    else  // not in a kernel thread: the runtime itself
+        snprintf(L->d->err, sizeof L->d->err, "block (%u,%u,%u), emulator runtime: %s %p", L->bidx.x, L->bidx.y,
+                 L->bidx.z, what, si->si_addr);
+    L->d->fault_addr = sig == SIGFPE ? 0 : (uint64_t)si->si_addr;
     L->failed = true;
     siglongjmp(L->jb, 1);
 }
