@@ -13,6 +13,7 @@ between blocks are not seen (blocks run one after another); shuffles are not ord
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -70,6 +71,7 @@ class TsanHost:
         self._proc = subprocess.Popen([str(_host_binary()), str(lib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._log, env=env)
         self._lock = threading.Lock()
+        atexit.register(self.close)
 
     def replay(self, name: str, grid, block, args: tuple, schedule: Schedule) -> tuple[int, str, str]:
         """(races, TSan's report text, the launch's own error)."""
@@ -101,9 +103,11 @@ class TsanHost:
         return races, report, err if rc else ""
 
     def close(self) -> None:
+        """End the host (it exits at the end of its input)."""
         if self._proc.poll() is None:
             self._proc.stdin.close()
             self._proc.wait(timeout=30)
+        self._proc.stdout.close()
 
 
 @functools.lru_cache(maxsize=None)
