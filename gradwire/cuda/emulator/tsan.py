@@ -108,6 +108,7 @@ class TsanHost:
             self._proc.stdin.close()
             self._proc.wait(timeout=30)
         self._proc.stdout.close()
+        self._log.close()
 
 
 @functools.lru_cache(maxsize=None)
