@@ -36,20 +36,45 @@ class Work(Generic[T]):
         if not self._done:
             self._value = self._future.wait() if self._future is not None else self._wait()  # type: ignore[misc]
             self._done = True
+        if isinstance(self._value, _Raised):
+            raise self._value.error
         return self._value
 
     def then(self, fn: Callable[[T], U]) -> "Work[U]":
         if self._future is not None:
-            return Work(future=self._future.then(lambda f: fn(f.value())))
+            return Work(future=self._future.then(lambda f: _call(fn, f.value())))
         return Work(wait=lambda: fn(self.wait()))
 
     def future(self) -> torch.futures.Future:
         """A torch Future of the result (completed now when the work has no native future)."""
         if self._future is not None:
-            return self._future
+            return self._future.then(lambda f: _unwrap(f.value()))
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(self.wait())
         return fut
+
+
+class _Raised:
+    """An exception carried as a future's value: torch turns an exception raised in a Future
+    callback into RuntimeError, and `wait()` must raise the original (WireFormatError)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _call(fn: Callable[[Any], Any], value: Any) -> Any:
+    if isinstance(value, _Raised):
+        return value
+    try:
+        return fn(value)
+    except Exception as e:  # noqa: BLE001 - handed to wait(), which raises it
+        return _Raised(e)
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, _Raised):
+        raise value.error
+    return value
 
 
 class Backend(ABC):
