@@ -262,12 +262,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             codec = c
             corrected = fb.correct(grad, name) if fb is not None else grad.detach()
             packet = c.encode(corrected, ctx).tensor()
-            sent = c.decode(packet).clone()
-            if fb is not None:
+            try:
+                sent = c.decode(packet, shape=grad.shape, dtype=grad.dtype).clone()
+            except WireFormatError as e:  # every peer rejects it too: raise with them after the allgather
+                sent = e  # type: ignore[assignment]
+            if fb is not None and isinstance(sent, torch.Tensor):
                 fb.update(name, corrected, sent)
         length = torch.tensor([packet.numel()], dtype=torch.int64).view(torch.uint8).to(packet.device)
-        handle = hvd.allgather_async(torch.cat([length, packet]), name=op_name)
-        return handle, ("allgather", codec, sent)
+        message = torch.cat([length, packet])
+        handle = hvd.allgather_async(message, name=op_name)
+        return handle, ("allgather", codec, sent, message)
 
     # ---- finishing ------------------------------------------------------------------
     def _gw_finish(self, p: torch.Tensor, handle: Any, info: tuple) -> None:
@@ -276,21 +280,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if info[0] == "allreduce":
             result = self._gw_compressor.from_summable(out, grad, info[1])
         else:
-            _, codec, sent = info
+            _, codec, sent, message = info
+            if isinstance(sent, WireFormatError):
+                raise sent
             result = torch.zeros_like(grad)
             me, pos = hvd.rank(), 0
+            # Every rank checks every message (its own too) against its own gradient, so bad
+            # bytes make all ranks raise WireFormatError here and none goes on.
             for r in range(hvd.size()):  # rank order: bit-identical sums on every rank
                 if pos + _LENGTH_BYTES > out.numel():
                     raise WireFormatError(f"allgather of {self._gw_names[p]!r}: rank {r}'s message is missing")
                 n = int(out[pos: pos + _LENGTH_BYTES].clone().view(torch.int64))
-                pos += _LENGTH_BYTES
-                if n < 0 or pos + n > out.numel():
+                if n < 0 or pos + _LENGTH_BYTES + n > out.numel():
                     raise WireFormatError(f"allgather of {self._gw_names[p]!r}: rank {r} declares {n} bytes, "
-                                          f"{out.numel() - pos} remain")
-                result.add_(sent if r == me else codec.decode(out[pos: pos + n]))
-                pos += n
+                                          f"{out.numel() - pos - _LENGTH_BYTES} remain")
+                if r == me:
+                    if not torch.equal(out[pos: pos + _LENGTH_BYTES + n], message):
+                        raise WireFormatError(f"allgather of {self._gw_names[p]!r}: this rank's message came back altered")
+                    result.add_(sent)
+                else:
+                    result.add_(codec.decode(out[pos + _LENGTH_BYTES: pos + _LENGTH_BYTES + n],
+                                             shape=grad.shape, dtype=grad.dtype))
+                pos += _LENGTH_BYTES + n
             if pos != out.numel():
-                raise RuntimeError(f"allgather of {self._gw_names[p]!r}: {out.numel()} bytes, parsed {pos}")
+                raise WireFormatError(f"allgather of {self._gw_names[p]!r}: {out.numel()} bytes, the length "
+                                      f"prefixes describe {pos}")
             if self.op == hvd.Average:
                 result.div_(hvd.size())
         grad.copy_(result.reshape(grad.shape))
@@ -302,11 +316,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self._gw_requires_update:
                 if p not in self._gw_handles:
                     self._gw_handles[p] = self._gw_launch(p)
+            errors = []
             for p, (handle, info) in self._gw_handles.items():
-                self._gw_finish(p, handle, info)
+                try:
+                    self._gw_finish(p, handle, info)
+                except WireFormatError as e:  # finish the other exchanges first: no handle left behind
+                    errors.append(e)
                 self._gw_delay[p] = self.backward_passes_per_step
             self._gw_handles.clear()
             self._gw_step += 1
+            if errors:
+                raise errors[0]
         self._gw_synchronized = True
 
     @contextlib.contextmanager
