@@ -130,6 +130,24 @@ _SUBCLASSES: dict[type, type] = {}
 _LENGTH_BYTES = 8  # each rank's allgather message starts with its packet length (int64)
 
 
+def split_allgathered(out: torch.Tensor, world: int, name: str) -> list[tuple[int, int]]:
+    """(start, end) of each rank's packet in a Horovod allgather of `world` length-prefixed
+    packets; a missing, overlong or trailing byte raises WireFormatError."""
+    spans, pos = [], 0
+    for r in range(world):
+        if pos + _LENGTH_BYTES > out.numel():
+            raise WireFormatError(f"allgather of {name!r}: rank {r}'s message is missing")
+        n = int(out[pos: pos + _LENGTH_BYTES].clone().view(torch.int64))
+        pos += _LENGTH_BYTES
+        if n < 0 or pos + n > out.numel():
+            raise WireFormatError(f"allgather of {name!r}: rank {r} declares {n} bytes, {out.numel() - pos} remain")
+        spans.append((pos, pos + n))
+        pos += n
+    if pos != out.numel():
+        raise WireFormatError(f"allgather of {name!r}: {out.numel()} bytes, the length prefixes describe {pos}")
+    return spans
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Horovod's DistributedOptimizer with gradwire compression.
 
@@ -284,27 +302,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if isinstance(sent, WireFormatError):
                 raise sent
             result = torch.zeros_like(grad)
-            me, pos = hvd.rank(), 0
+            me, name = hvd.rank(), self._gw_names[p]
             # Every rank checks every message (its own too) against its own gradient, so bad
             # bytes make all ranks raise WireFormatError here and none goes on.
-            for r in range(hvd.size()):  # rank order: bit-identical sums on every rank
-                if pos + _LENGTH_BYTES > out.numel():
-                    raise WireFormatError(f"allgather of {self._gw_names[p]!r}: rank {r}'s message is missing")
-                n = int(out[pos: pos + _LENGTH_BYTES].clone().view(torch.int64))
-                if n < 0 or pos + _LENGTH_BYTES + n > out.numel():
-                    raise WireFormatError(f"allgather of {self._gw_names[p]!r}: rank {r} declares {n} bytes, "
-                                          f"{out.numel() - pos - _LENGTH_BYTES} remain")
+            for r, (start, end) in enumerate(split_allgathered(out, hvd.size(), name)):  # rank order
                 if r == me:
-                    if not torch.equal(out[pos: pos + _LENGTH_BYTES + n], message):
-                        raise WireFormatError(f"allgather of {self._gw_names[p]!r}: this rank's message came back altered")
+                    if not torch.equal(out[start - _LENGTH_BYTES: end], message):
+                        raise WireFormatError(f"allgather of {name!r}: this rank's message came back altered")
                     result.add_(sent)
                 else:
-                    result.add_(codec.decode(out[pos + _LENGTH_BYTES: pos + _LENGTH_BYTES + n],
-                                             shape=grad.shape, dtype=grad.dtype))
-                pos += _LENGTH_BYTES + n
-            if pos != out.numel():
-                raise WireFormatError(f"allgather of {self._gw_names[p]!r}: {out.numel()} bytes, the length "
-                                      f"prefixes describe {pos}")
+                    result.add_(codec.decode(out[start: end], shape=grad.shape, dtype=grad.dtype))
             if self.op == hvd.Average:
                 result.div_(hvd.size())
         grad.copy_(result.reshape(grad.shape))
