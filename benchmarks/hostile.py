@@ -74,7 +74,7 @@ def _env(root: Path) -> dict[str, str]:
 
 def corpus(root: Path, limit: float, legacy: bool) -> list[dict]:
     cmd = [sys.executable, str(RUNNER), "--limit-gb", str(limit)] + (["--legacy"] if legacy else [])
-    out = subprocess.run(cmd, env=_env(root), capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(cmd, env=_env(root), cwd=root, capture_output=True, text=True, check=True).stdout
     return [json.loads(line) for line in out.splitlines()]
 
 
@@ -100,13 +100,14 @@ def main() -> None:
         for cls, s in summary(corpus(root, args.limit_gb, legacy)).items():
             print(f"class {cls}: {s['n']} entries, worst peak RSS growth {s['peak_kib'] / 1024:.1f} MiB, "
                   f"worst {s['seconds'] * 1e3:.1f} ms, {dict(s['results'])}")
+        # cwd=root: `python -c` puts the working directory first on sys.path
         probe = subprocess.run([sys.executable, "-c", PROBE, str(args.limit_gb), args.probe_exps], env=_env(root),
-                               capture_output=True, text=True, check=True).stdout
+                               cwd=root, capture_output=True, text=True, check=True).stdout
         print(f"## {label}: one-index threshold packet declaring 2**e elements, standalone decode")
         for exp, r in json.loads(probe).items():
             print(f"2**{exp}: {r}")
-        merge = subprocess.run([sys.executable, "-c", MERGE], env=_env(root), capture_output=True, text=True,
-                               check=True).stdout
+        merge = subprocess.run([sys.executable, "-c", MERGE], env=_env(root), cwd=root, capture_output=True,
+                               text=True, check=True).stdout
         print(f"## {label}: merges (best seconds)\n{merge}")
 
 
