@@ -300,7 +300,7 @@ class Zstd(Compressor):
         if inner.codec != _NONE.codec_id or inner.config != _NONE.crc:
             raise WireFormatError(f"a standalone zstd frame must hold a 'none' packet, found codec {inner.codec} "
                                   f"with config {inner.config:#010x}")
-        _NONE._check(inner)
+        _NONE.check_header(inner, None, shape=pk.shape, dtype=pk.dtype)  # its flags and section too
         return _NONE._decode(inner)
 
 

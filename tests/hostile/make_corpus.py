@@ -177,6 +177,21 @@ def build() -> None:
         for flags in ((0xFF, 0x80, 0x02) if "zstd" in spec else (0xFF, 0x01, 0x80)):
             add(6, f"{spec} flags {flags:#04x}", with_byte(p, 7, flags), spec=spec)
     add(6, "zstd flag 0x01 (nvCOMP) on the CPU", with_byte(encoded("zstd", x20), 7, 0x01), spec="zstd")
+    z = gradwire.compressor("zstd")
+    for spec in ("zstd", "topk:k=1+zstd", "fp16+zstd"):  # a flag bit on the packet inside the frame
+        p = gradwire.compressor(spec).encode(x20)
+        inner = z.unwrap(p)
+        inner.flags = 0x10
+        outer = z.wrap(inner)
+        outer.config = p.config
+        add(6, f"{spec}: inner packet flags 0x10", outer.tensor(), spec=spec)
+    p = gradwire.compressor("topk:k=1+fp16").encode(x20.reshape(-1))  # ... and on a nested one
+    nested = wire.parse(p.section(Kind.NESTED))
+    nested.flags = 0x10
+    nested._buffer = None
+    secs = [Section(Kind.NESTED, nested.tensor()) if s.kind == Kind.NESTED else s for s in p.sections]
+    add(6, "topk:k=1+fp16: nested packet flags 0x10", Packet(p.codec, p.dtype, p.shape, secs, p.config).tensor(),
+        spec="topk:k=1+fp16", shape=(20,))
     # ---- 7: a valid inner stage inside a bad outer packet
     for spec in ("topk:k=1+fp16", "threshold+int8"):
         p = gradwire.compressor(spec).encode(x20.reshape(-1))
