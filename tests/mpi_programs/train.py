@@ -215,16 +215,18 @@ class _Forging:
 def bad_packet_from_one_rank_raises_everywhere(b) -> None:
     from gradwire import WireFormatError
 
-    ex = GradientExchanger("topk:k=1", backend=_Forging(b), error_feedback=False)
-    g = torch.randn(200, generator=torch.Generator().manual_seed(b.rank))
-    before = g.clone()
+    # two buckets: the error in each is raised on every rank, and no gradient is written
+    ex = GradientExchanger("topk:k=1", backend=_Forging(b), error_feedback=False, bucket_mb=0.0005)
+    gen = torch.Generator().manual_seed(b.rank)
+    grads = [torch.randn(200, generator=gen), torch.randn(150, generator=gen)]
+    before = [g.clone() for g in grads]
     try:
-        ex.exchange_([("w", g)])
+        ex.exchange_([("w", grads[0]), ("v", grads[1])])
     except WireFormatError:
         pass
     else:
         raise AssertionError("a (1,) packet for a (200,) gradient should raise WireFormatError on every rank")
-    assert torch.equal(g, before), "the gradient was written despite the error"
+    assert all(torch.equal(g, g0) for g, g0 in zip(grads, before)), "a gradient was written despite the error"
     same_on_all_ranks(b, "ranks still in step after the error", torch.ones(1))
 
 
