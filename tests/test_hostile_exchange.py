@@ -130,3 +130,27 @@ def test_every_rank_raises_wire_format_error_when_one_sends_bad_bytes():
         assert out == {name: "WireFormatError" for name in out}, f"rank {rank}: {out}"
     assert set(results[0]) == {"topk wrong shape", "zstd chain wrong shape", "own encoder wrong shape",
                                "flag bits", "artopk bad index", "sparse numel"}
+
+
+def _ddp(rank: int, world: int) -> str:
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradwire.hooks import ddp as gw_ddp
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 4)))
+    state = gw_ddp.register(model, "topk:k=1", start_iter=2, strategy="allgather")
+    if rank == BAD:
+        state.strategy.backend = Forging(state.strategy.backend, _one_element_packet("topk:k=1"))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    try:
+        for _ in range(3):  # dense for 2 iterations, then the hook's allgather
+            model(x).sum().backward()
+    except RuntimeError as e:  # DDP's reducer rethrows the hook future's error as RuntimeError
+        return "WireFormatError" if "WireFormatError" in str(e) else f"RuntimeError: {e}"
+    return "no error"
+
+
+def test_ddp_hook_every_rank_raises_on_bad_bytes():
+    assert run_ranks(_ddp, 2, timeout=180) == ["WireFormatError", "WireFormatError"]
