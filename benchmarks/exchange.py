@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from multiproc import run_ranks  # noqa: E402
 
 from gradwire import Ctx  # noqa: E402
-from gradwire.comm.cost import make_strategy  # noqa: E402
+from gradwire.comm.registry import make_strategy  # noqa: E402
 from gradwire.comm.torch_dist import TorchDistBackend  # noqa: E402
 
 LAYERS, WIDTH = 6, 2048
@@ -33,6 +33,7 @@ CONFIGS = [
     ("allreduce", "fp16", {}),
     ("allgather", "topk:ratio=0.01", {}),
     ("artopk", "topk:ratio=0.01", {}),
+    ("oktopk", "topk:ratio=0.01", {}),
     ("allgather", "qsgd:bits=4", {}),
     ("allgather", "topk:ratio=0.01+fp16", {}),
     ("allreduce", "randomk:ratio=0.01", {}),

@@ -72,10 +72,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    print(f"{'name':10s} {'role':8s} {'EF auto':8s} parameters")
     for name in available():
         cls = registry.lookup(name)
         params = ", ".join(f"{p.name}={p.default}" + (f" ({p.rule})" if p.rule else "") for p in cls.params)
-        print(f"{name:10s} {cls.role:8s} {params}")
+        print(f"{name:10s} {cls.role:8s} {'on' if cls.feedback_helps else 'off':8s} {params}")
+    print("\nEF auto: error feedback under error_feedback='auto', the default of the DDP hook, GradientExchanger\n"
+          "and the Horovod optimizer: on for biased compressors, off for casts and unbiased estimators, whose\n"
+          "residuals only add variance; a chain is on if any stage is. PowerSGD keeps its own (on).")
     return 0
 
 
@@ -105,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["experiment"]:  # its own parser: experiments/cli.py
-        from experiments.cli import main as experiment_main
+    if argv[:1] == ["experiment"]:  # its own parser: gradwire/experiments/cli.py
+        from .experiments.cli import main as experiment_main
 
         return experiment_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -3,7 +3,7 @@
 import torch
 
 from gradwire import Ctx
-from gradwire.comm.cost import Auto, CostModel
+from gradwire.comm.cost import Auto, CostModel, oktopk_seconds
 from gradwire.comm.torch_dist import TorchDistBackend
 from multiproc import run_ranks
 
@@ -14,6 +14,11 @@ def test_cost_model_formulas():
     assert m.allgather(1000, 4) == 3 * (1e-5 + 1000 * 1e-9)
     assert m.allgather(1000, 4, sized=False) > m.allgather(1000, 4)
     assert m.broadcast(1000, 4) == 2 * (1e-5 + 1000 * 1e-9)
+    assert m.alltoall(1000, 4) == 6 * 1e-5 + (1000 + 48) * 1e-9
+    # oktopk's volume stays ~2k pairs while allgather's grows with P: it wins on large clusters
+    k, item = 250_000, 4
+    for world in (16, 64):
+        assert oktopk_seconds(m, k, item, world) < m.allgather(128 + k * (item + 4), world) / 4
 
 
 def _choices(rank: int, world: int) -> dict:
@@ -22,19 +27,22 @@ def _choices(rank: int, world: int) -> dict:
     slow_net = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9)
     fast_net = Auto(backend, "topk:ratio=0.01", alpha=1e-6, beta=1e-12, gamma_encode=1e-8, gamma_decode=1e-8)
     summable = Auto(backend, "fp16", alpha=1e-4, beta=1e-7, gamma_encode=1e-10, gamma_decode=1e-10)
+    summable_fast_net = Auto(backend, "fp16", alpha=1e-6, beta=1e-12, gamma_encode=1e-8, gamma_decode=1e-8)
     measured = Auto(backend, "topk:ratio=0.01")
     x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(rank))
     total = measured.exchange(x, 0, Ctx(rank=rank), average=False).wait()
     return {"slow": slow_net.choose(sizes, torch.float32), "fast": fast_net.choose(sizes, torch.float32),
-            "summable": summable.choose(sizes, torch.float32), "measured_model": measured.model,
+            "summable": summable.choose(sizes, torch.float32),
+            "summable_fast": summable_fast_net.choose(sizes, torch.float32), "measured_model": measured.model,
             "gamma": measured.gamma, "measured_choice": measured.choice, "total": total}
 
 
 def test_auto_choices_follow_the_model_and_agree_across_ranks():
     a, b = run_ranks(_choices, 2)
-    assert a["slow"] in ("allgather", "artopk")  # a slow wire favours sending 1% of the bytes
+    assert a["slow"] in ("allgather", "artopk", "oktopk")  # a slow wire favours sending 1% of the bytes
     assert a["fast"] == "dense"  # a free wire and costly compression favour plain allreduce
-    assert a["summable"] == "allreduce"  # fp16 halves the bytes at almost no compute
+    # summable payloads are always allreduced, as torch's hooks do (the same sums, bit for bit)
+    assert a["summable"] == a["summable_fast"] == "allreduce"
     assert a["measured_model"] == b["measured_model"] and a["measured_model"].alpha > 0
     assert a["gamma"] == b["gamma"] and all(g > 0 for g in a["gamma"])
     assert a["measured_choice"] == b["measured_choice"]

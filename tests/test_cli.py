@@ -27,3 +27,10 @@ def test_bench_small_run_writes_json(tmp_path):
 def test_bad_spec_is_a_clear_error(capsys):
     assert main(["compare", "--spec", "nosuch"]) == 2
     assert "unknown compressor 'nosuch'" in capsys.readouterr().err
+
+
+def test_list_states_the_error_feedback_rule(capsys):
+    assert main(["list"]) == 0
+    rows = {line.split()[0]: line.split()[2] for line in capsys.readouterr().out.splitlines()[1:15] if line.strip()}
+    assert rows["topk"] == rows["sign"] == rows["int8"] == "on"
+    assert rows["fp16"] == rows["none"] == rows["randomk"] == rows["qsgd"] == "off"

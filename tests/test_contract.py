@@ -125,3 +125,23 @@ def test_rejects_non_tensors_and_integer_tensors():
         c.encode([1.0, 2.0])
     with pytest.raises(TypeError, match="float32"):
         c.encode(torch.arange(4))
+
+
+def test_ctx_takes_a_string_key_hashed_like_key_of():
+    ctx = gradwire.Ctx(seed=7, key="layer1.weight")
+    assert ctx == gradwire.Ctx(seed=7, key=gradwire.Ctx.key_of("layer1.weight"))
+    assert isinstance(ctx.key, int)
+    c = gradwire.compressor("randomk:ratio=0.1")  # stochastic: the bytes depend on the key
+    x = _x((1000,), torch.float32)
+    assert torch.equal(c.encode(x, ctx).tensor(), c.encode(x, gradwire.Ctx(seed=7, key=ctx.key)).tensor())
+    assert not torch.equal(c.encode(x, ctx).tensor(), c.encode(x, gradwire.Ctx(seed=7, key="layer2.weight")).tensor())
+    import numpy as np
+
+    assert gradwire.Ctx(step=np.int64(3), key=torch.tensor(5)) == gradwire.Ctx(step=3, key=5)
+
+
+@pytest.mark.parametrize("field, value", [("key", 1.5), ("key", None), ("key", True), ("seed", "7"),
+                                          ("step", 2.0), ("rank", torch.ones(2))])
+def test_ctx_rejects_other_types_naming_the_field(field, value):
+    with pytest.raises(TypeError, match=rf"Ctx\.{field} must be"):
+        gradwire.Ctx(**{field: value})

@@ -61,7 +61,8 @@ def _compare_baselines(rank: int, world: int) -> dict:
                                 ("gw_none", "none", {"strategy": "allreduce", "error_feedback": False,
                                                      "start_iter": 0}),
                                 ("gw_fp16", "fp16", {"strategy": "allreduce", "error_feedback": False,
-                                                     "start_iter": 0})]:
+                                                     "start_iter": 0}),
+                                ("gw_none_defaults", "none", {}), ("gw_fp16_defaults", "fp16", {})]:
         model, _, _, _ = train(rank, hook, 6, options)
         out[name] = params(model)
     return out
@@ -71,10 +72,10 @@ def _compare_baselines(rank: int, world: int) -> dict:
 def test_none_equals_ddp_default_and_fp16_equals_torch_fp16_hook(world):
     results = run_ranks(_compare_baselines, world)
     for r in results:
-        for a, b in zip(r["default"], r["gw_none"]):
-            assert torch.equal(a, b)
-        for a, b in zip(r["torch_fp16"], r["gw_fp16"]):
-            assert torch.equal(a, b)
+        for name in ("gw_none", "gw_none_defaults"):
+            assert all(torch.equal(a, b) for a, b in zip(r["default"], r[name])), name
+        for name in ("gw_fp16", "gw_fp16_defaults"):  # the defaults are torch's hook from the first step
+            assert all(torch.equal(a, b) for a, b in zip(r["torch_fp16"], r[name])), name
         # and the comparison is not vacuous: fp16 differs from fp32 training
         assert any(not torch.equal(a, b) for a, b in zip(r["default"], r["gw_fp16"]))
     for r in results[1:]:
@@ -85,7 +86,8 @@ def test_none_equals_ddp_default_and_fp16_equals_torch_fp16_hook(world):
 TRAIN_SPECS = [
     ("none", "auto"), ("fp16", "allreduce"), ("bf16", "auto"), ("fp8", "allgather"), ("int8", "allgather"),
     ("qsgd:bits=4", "allgather"), ("terngrad", "allgather"), ("sign", "allgather"), ("onebit", "allgather"),
-    ("topk:ratio=0.1", "allgather"), ("topk:ratio=0.1", "artopk"), ("topk:ratio=0.1", "auto"),
+    ("topk:ratio=0.1", "allgather"), ("topk:ratio=0.1", "artopk"), ("topk:ratio=0.1", "oktopk"),
+    ("topk:ratio=0.1", "auto"),
     ("randomk:ratio=0.2", "allreduce-noef"), ("threshold:threshold=0.01", "allgather"), ("dgc:ratio=0.1", "allgather"),
     ("topk:ratio=0.1+fp16", "allgather"), ("topk:ratio=0.1+qsgd:bits=8+zstd", "allgather"), ("zstd", "allgather"),
 ]
@@ -180,5 +182,22 @@ def test_config_mismatch_fails_loudly_on_every_rank():
 def test_state_validation():
     with pytest.raises(ValueError, match="start_iter"):
         gw_ddp.GradwireState("topk:ratio=0.1", start_iter=1)
+    with pytest.raises(ValueError, match="error_feedback"):
+        gw_ddp.GradwireState("topk:ratio=0.1", error_feedback="sometimes")
+
+
+@pytest.mark.parametrize("spec, strategy, feedback, start", [
+    ("none", "auto", False, 0), ("fp16", "auto", False, 0), ("bf16", "allreduce", False, 0),
+    ("randomk:ratio=0.1", "auto", False, 0), ("qsgd:bits=4", "allgather", False, 0),
+    ("terngrad", "allgather", False, 0), ("qsgd:bits=4", "auto", False, 2),
+    ("topk:ratio=0.01", "auto", True, 2), ("dgc:ratio=0.01", "allgather", True, 2), ("sign", "allgather", True, 2),
+    ("onebit", "allgather", True, 2), ("int8", "allgather", True, 2), ("fp8", "allgather", True, 2),
+    ("topk:ratio=0.01+fp16", "allgather", True, 2), ("randomk:ratio=0.1+fp16", "allreduce", False, 0),
+    ("fp16+zstd", "allgather", False, 0), ("none", "powersgd", True, 2),
+])
+def test_default_error_feedback_and_start_follow_the_compressor(spec, strategy, feedback, start):
+    state = gw_ddp.GradwireState(spec, strategy=strategy)
+    assert (state.error_feedback, state.start_iter) == (feedback, start)
+    assert gw_ddp.GradwireState(spec, strategy=strategy, error_feedback="on").error_feedback is True
     with pytest.raises(ValueError, match="unknown compressor"):
         gw_ddp.GradwireState("nosuch")

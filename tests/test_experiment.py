@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import cli
-from experiments.cluster import EmulatedCluster, EmulationUnavailable, check_available, rate_bits
-from experiments.config import RunConfig, expand_methods, parse_method
-from experiments.launch import RunFailed, launch
-from experiments.projection import Profile, comm_seconds, step_seconds
-from experiments.report import pareto, seed_table
-from experiments.tasks import get_task
+from gradwire.experiments import cli
+from gradwire.experiments.cluster import EmulatedCluster, EmulationUnavailable, check_available, rate_bits
+from gradwire.experiments.config import RunConfig, expand_methods, parse_method
+from gradwire.experiments.launch import RunFailed, launch
+from gradwire.experiments.projection import Profile, comm_seconds, step_seconds
+from gradwire.experiments.report import pareto, seed_table
+from gradwire.experiments.tasks import get_task
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,6 +53,43 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--steps", "40", "--eval-every", "20", "--no-progress", "--out", str(out)]
     assert cli.main(args) == 0
     return out
+
+
+def test_relative_out_is_relative_to_the_callers_folder(tmp_path: Path) -> None:
+    """From a folder that is not the checkout, a relative --out lands there (ranks run elsewhere)."""
+    done = subprocess.run([sys.executable, "-m", "gradwire.cli", "experiment", "--methods", "none", "--worlds", "2",
+                           "--steps", "3", "--eval-every", "3", "--no-progress", "--out", "rel/out"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "rel" / "out"
+    assert (out / "report.md").is_file() and (out / "runs.csv").is_file()
+    assert [p.name for p in (out / "runs").iterdir()] and not (REPO / "rel").exists()
+    assert "--out rel/out" in (out / "report.md").read_text()  # the command as the user typed it
+
+
+def test_every_published_experiment_has_a_valid_definition() -> None:
+    """experiments/<name>.sh exists for each copied report, parses, and the docs name it."""
+    scripts = {p.stem: p for p in (REPO / "experiments").glob("*.sh")}
+    published = {p.name for p in (REPO / "docs" / "experiments").iterdir() if p.is_dir()}
+    assert published and published <= set(scripts), sorted(published - set(scripts))
+    benchmarks = (REPO / "docs" / "benchmarks.md").read_text()
+    for name, path in scripts.items():
+        line = next(l for l in path.read_text().splitlines() if l.startswith("exec gradwire experiment "))
+        args = line.removeprefix("exec gradwire experiment ").removesuffix(' "$@"').split()
+        configs = cli.sweep_from(cli.build_parser().parse_args(args)).runs()  # ValueError if stale
+        assert configs, name
+        assert f"bash experiments/{name}.sh" in benchmarks, f"docs/benchmarks.md does not name {name}.sh"
+        if name in published:
+            assert f"--out experiment-results/{name}" in line
+            assert f"bash experiments/{name}.sh" in (REPO / "docs" / "experiments" / name / "report.md").read_text()
+
+
+def test_only_gradwire_is_installed_at_top_level() -> None:
+    import tomllib
+
+    found = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert found["include"] == ["gradwire*"]
+    assert not (REPO / "experiments" / "__init__.py").exists()
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -168,6 +205,14 @@ def test_methods_expand_over_ratios_and_map_onto_strategies() -> None:
         parse_method("powersgd:bits=4")
     with pytest.raises(ValueError, match="topk"):
         parse_method("topk:ratio=2")
+    # one method's own strategy
+    assert expand_methods(["topk@oktopk", "topk+fp16@allgather"], [0.01]) == [
+        "topk:ratio=0.01@oktopk", "topk:ratio=0.01+fp16@allgather"]
+    ok = parse_method("topk:ratio=0.01@oktopk", strategy="allgather")
+    assert (ok.label, ok.compressor, ok.strategy, ok.error_feedback) == (
+        "topk:ratio=0.01@oktopk", "topk", "oktopk", True)
+    with pytest.raises(ValueError, match="unknown strategy 'nosuch'"):
+        parse_method("topk:ratio=0.01@nosuch")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -256,7 +301,7 @@ def test_emulated_links_are_rate_limited_and_torn_down() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_teardown_on_ctrl_c_and_sigterm(sig: signal.Signals) -> None:
     # a background job of a non-interactive shell starts with SIGINT ignored: take Ctrl-C as a terminal would
-    code = ("import signal, time; from experiments.cluster import EmulatedCluster\n"
+    code = ("import signal, time; from gradwire.experiments.cluster import EmulatedCluster\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "with EmulatedCluster(2, '100mbit') as c:\n    print(' '.join(c.namespaces), flush=True); time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
@@ -273,7 +318,7 @@ def test_teardown_on_ctrl_c_and_sigterm(sig: signal.Signals) -> None:
 
 @needs_netns
 def test_namespaces_of_a_dead_owner_are_removed() -> None:
-    code = ("import os; from experiments.cluster import EmulatedCluster\n"
+    code = ("import os; from gradwire.experiments.cluster import EmulatedCluster\n"
             "c = EmulatedCluster(1, '1gbit'); c.build(); print(' '.join(c.namespaces), flush=True); os._exit(9)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     names = set(done.stdout.split())

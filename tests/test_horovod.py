@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,19 @@ def test_compression_api_in_process() -> None:
         Compression("topk:ratio=0.1")
     with pytest.raises(ValueError, match="DistributedOptimizer"):
         Compression("fp16+zstd")
+
+
+@needs_horovod
+def test_compression_ready_instances_spelled_as_horovod() -> None:
+    import torch
+
+    from gradwire.hooks.horovod import Compression
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    for name, rounded in (("none", x), ("fp16", x.half().float()), ("bf16", x.bfloat16().float())):
+        c = getattr(Compression, name)
+        assert isinstance(c, Compression) and str(c.compressor) == name
+        with warnings.catch_warnings():  # bf16: Horovod 0.28 cannot allreduce it (warned once)
+            warnings.simplefilter("ignore")
+            payload, ctx = c.compress(x)
+        assert torch.equal(c.decompress(payload, ctx).float(), rounded), name

@@ -1,7 +1,8 @@
 """MPI backend, sparse exchange and GradientExchanger on real `mpiexec` jobs.
 
-One job per world size (2 and 4) runs every check of tests/mpi_programs/*.py (see
-run.py there); each check is its own test here, passing when every rank reported it.
+One job per world size runs every check of the programs in tests/mpi_programs/ meant for it
+(PROGRAM_WORLDS; see run.py there); each check is its own test here, passing when every rank
+reported it.
 A job that hangs is killed after JOB_TIMEOUT seconds and its checks fail.
 The merge functions of gradwire.comm.sparse are also tested in-process (no MPI).
 """
@@ -22,9 +23,11 @@ from gradwire.comm.sparse import check_indices, merge_dense, merge_sparse, pack,
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS_DIR = Path(__file__).resolve().parent / "mpi_programs"
-PROGRAMS = ("collectives", "sparse_exchange", "train", "example")
-WORLDS = (2, 4)
-ONLY_AT = {"example": 2}  # the example imports torch.optim (seconds per rank): one world size is enough
+# the example imports torch.optim (seconds per rank): one world size is enough
+PROGRAM_WORLDS = {"collectives": (2, 4), "sparse_exchange": (2, 4), "train": (2, 4), "example": (2,),
+                  "oktopk": (2, 3, 4, 8)}
+PROGRAMS = tuple(PROGRAM_WORLDS)
+WORLDS = tuple(sorted({w for ws in PROGRAM_WORLDS.values() for w in ws}))
 JOB_TIMEOUT = 150.0  # a hang fails after this; a normal job takes 10-40 s
 
 MPIEXEC = shutil.which("mpiexec")
@@ -46,7 +49,7 @@ def check_names(program: str) -> list[str]:
 
 
 CHECKS = [(world, program, name) for world in WORLDS for program in PROGRAMS for name in check_names(program)
-          if ONLY_AT.get(program, world) == world]
+          if world in PROGRAM_WORLDS[program]]
 
 
 _JOBS: dict[int, launcher.Job] = {}
@@ -61,7 +64,7 @@ def job(world: int) -> launcher.Job:
             "OMPI_MCA_mpi_yield_when_idle": "1",  # oversubscribed ranks must not spin on the cores
             "GRADWIRE_MPI_CUDA_AWARE": "0",
         })
-        programs = [p for p in PROGRAMS if ONLY_AT.get(p, world) == world]
+        programs = [p for p in PROGRAMS if world in PROGRAM_WORLDS[p]]
         cmd = launcher.mpiexec_args(world) + [sys.executable, str(PROGRAMS_DIR / "run.py"), *programs]
         _JOBS[world] = launcher.run_job(cmd, world, env, ROOT, JOB_TIMEOUT, "run.py")
     return _JOBS[world]

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradwire.comm.cost import make_strategy
+from gradwire.comm.registry import make_strategy
 from gradwire.comm.powersgd import PowerSGD, orthogonalize
 from gradwire.comm.torch_dist import TorchDistBackend
 from gradwire.compress import Ctx

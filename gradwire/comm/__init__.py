@@ -5,8 +5,9 @@ mpi4py is imported only when an `MPIBackend` is created.
 
 from .api import GradientExchanger
 from .backend import Backend, Work
-from .cost import CostModel, make_strategy
+from .cost import CostModel
 from .mpi import MPIBackend, mpi_cuda_aware
+from .registry import make_strategy
 from .sparse import merge_dense, merge_sparse, sparse_allgather
 from .strategies import ExchangeStats, Strategy
 

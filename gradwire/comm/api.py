@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..compress import Compressor, Ctx, compressor as make_compressor
+from ..compress import Compressor, Ctx, compressor as make_compressor, resolve_error_feedback
 from ..errors import ConfigMismatchError, WireFormatError
 from .backend import Backend, Work
 from .strategies import ExchangeStats, Strategy
@@ -80,11 +80,13 @@ class GradientExchanger:
 
     compressor: a spec string (``"topk:ratio=0.01"``, ``"fp16"``, ...) or a `Compressor`.
     backend: a `Backend`; default `MPIBackend` over ``MPI.COMM_WORLD``.
-    strategy: ``"allgather"`` (any compressor), ``"allreduce"`` (summable ones), ``"artopk"``,
+    strategy: ``"allgather"`` (any compressor), ``"allreduce"`` (summable ones), ``"artopk"``, ``"oktopk"``,
         ``"dense"``, ``"powersgd"``, or ``"auto"`` (chosen per bucket by a measured cost model;
         construction then runs timed collectives on every rank); extra keyword arguments go to
         the strategy (e.g. ``alpha``/``beta`` for auto).
-    error_feedback: keep what the compressor dropped and add it to the next step's gradient.
+    error_feedback: keep what the compressor dropped and add it to the next step's gradient;
+        ``"auto"`` (default): on for biased compressors, off for casts and unbiased ones
+        (`Compressor.feedback_helps`); PowerSGD keeps its own, on unless False.
     seed: for stochastic compressors (randomness is keyed by seed, step, rank and bucket).
     bucket_mb: split the flat gradient into buckets of about this many MiB (default: one
         bucket per device and dtype).
@@ -93,9 +95,9 @@ class GradientExchanger:
     """
 
     def __init__(self, compressor: Compressor | str = "topk:ratio=0.01", backend: Backend | None = None,
-                 strategy: str = "allgather", error_feedback: bool = True, seed: int = 0,
+                 strategy: str = "allgather", error_feedback: bool | str = "auto", seed: int = 0,
                  bucket_mb: float | None = None, per_tensor: bool = True, **strategy_options: Any) -> None:
-        from .cost import make_strategy  # cost imports every strategy; keep importing this module cheap
+        from .registry import make_strategy  # imports every strategy; keep importing this module cheap
 
         if backend is None:
             from .mpi import MPIBackend
@@ -106,7 +108,9 @@ class GradientExchanger:
         self.backend = backend
         self.compressor = make_compressor(compressor)
         self.strategy_name = strategy
-        self.error_feedback = bool(error_feedback)
+        if strategy == "powersgd" and error_feedback == "auto":
+            error_feedback = True  # as torch's powerSGD_hook
+        self.error_feedback = resolve_error_feedback(error_feedback, self.compressor)
         self.seed = int(seed)
         self.bucket_mb = bucket_mb
         self.per_tensor = bool(per_tensor)

@@ -15,9 +15,18 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
+class _Failed:
+    """An exception carried through a torch Future as its value: torch would wrap it in a
+    RuntimeError, and callers must see the original (e.g. WireFormatError)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 class Work(Generic[T]):
     """A pending result. Wraps a torch Future (then `then` stays asynchronous) or a
-    wait function (then `then` runs when the result is first waited for)."""
+    wait function (then `then` runs when the result is first waited for). An exception in a
+    `then` step reaches `wait()` as itself."""
 
     def __init__(self, wait: Callable[[], T] | None = None, future: torch.futures.Future | None = None) -> None:
         if (wait is None) == (future is None):
@@ -36,17 +45,27 @@ class Work(Generic[T]):
         if not self._done:
             self._value = self._future.wait() if self._future is not None else self._wait()  # type: ignore[misc]
             self._done = True
-        if isinstance(self._value, _Raised):
+        if isinstance(self._value, _Failed):
             raise self._value.error
         return self._value
 
     def then(self, fn: Callable[[T], U]) -> "Work[U]":
         if self._future is not None:
-            return Work(future=self._future.then(lambda f: _call(fn, f.value())))
+            def step(f: torch.futures.Future) -> Any:
+                value = f.value()
+                if isinstance(value, _Failed):
+                    return value
+                try:
+                    return fn(value)
+                except Exception as e:  # noqa: BLE001 - handed on unchanged to wait()
+                    return _Failed(e)
+
+            return Work(future=self._future.then(step))
         return Work(wait=lambda: fn(self.wait()))
 
     def future(self) -> torch.futures.Future:
-        """A torch Future of the result (completed now when the work has no native future)."""
+        """A torch Future of the result (completed now when the work has no native future);
+        a failed step raises its exception there (torch reports it as a RuntimeError)."""
         if self._future is not None:
             return self._future.then(lambda f: _unwrap(f.value()))
         fut: torch.futures.Future = torch.futures.Future()
@@ -54,25 +73,8 @@ class Work(Generic[T]):
         return fut
 
 
-class _Raised:
-    """An exception carried as a future's value: torch turns an exception raised in a Future
-    callback into RuntimeError, and `wait()` must raise the original (WireFormatError)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-def _call(fn: Callable[[Any], Any], value: Any) -> Any:
-    if isinstance(value, _Raised):
-        return value
-    try:
-        return fn(value)
-    except Exception as e:  # noqa: BLE001 - handed to wait(), which raises it
-        return _Raised(e)
-
-
 def _unwrap(value: Any) -> Any:
-    if isinstance(value, _Raised):
+    if isinstance(value, _Failed):
         raise value.error
     return value
 
@@ -99,12 +101,29 @@ class Backend(ABC):
         """Every rank's tensor in rank order; lengths may differ (they are exchanged first)."""
 
     @abstractmethod
+    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+        """chunks[j] goes to rank j; the result is what every rank sent to this one, in rank order.
+        Chunks share one dtype and may differ in length (0 included). Without `recv_counts` (the
+        numel each rank sends here, when the caller knows it) the counts and dtypes are exchanged
+        first (one small blocking all-to-all), and ranks disagreeing on the dtype all raise
+        ValueError."""
+
+    @abstractmethod
     def broadcast(self, t: torch.Tensor, src: int) -> Work[torch.Tensor]:
         """src's tensor on every rank (written into t)."""
 
     @abstractmethod
     def allgather_object(self, obj: Any) -> list[Any]:
         """Small picklable objects from every rank (blocking; for setup and checks)."""
+
+    def _check_chunks(self, chunks: list[torch.Tensor]) -> torch.dtype:
+        """The common dtype of an alltoall's chunks (one per rank)."""
+        if len(chunks) != self.world_size:
+            raise ValueError(f"alltoall needs one chunk per rank ({self.world_size}), got {len(chunks)}")
+        dtypes = {c.dtype for c in chunks}
+        if len(dtypes) != 1:
+            raise ValueError(f"alltoall chunks must share one dtype, got {sorted(map(str, dtypes))}")
+        return chunks[0].dtype
 
     def gather_packets(self, packet: torch.Tensor, static_size: int | None) -> Work[list[torch.Tensor]]:
         """Allgather uint8 packets; skips the size exchange when the size is static."""
@@ -113,3 +132,21 @@ class Backend(ABC):
                 raise ValueError(f"packet of {packet.numel()} bytes, but the compressor promised {static_size}")
             return self.allgather(packet)
         return self.allgatherv(packet)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer naming dtype, the same on every rank (for size/dtype exchanges)."""
+    if dtype not in _DTYPE_CODES:
+        raise TypeError(f"cannot exchange {dtype} tensors; supported: {', '.join(map(str, _DTYPE_CODES))}")
+    return _DTYPE_CODES.index(dtype)
+
+
+def check_same_dtype(op: str, codes: list[int]) -> None:
+    """Raise ValueError (on every rank, since every rank sees the same codes) if ranks disagree."""
+    if len(set(codes)) > 1:
+        raise ValueError(f"{op}: ranks passed different dtypes: "
+                         f"{', '.join(f'rank {r}: {_DTYPE_CODES[c]}' for r, c in enumerate(codes))}")
+
+
+_DTYPE_CODES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+                torch.int16, torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)

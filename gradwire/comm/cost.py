@@ -5,7 +5,8 @@ decode work: seconds per element measured on a probe tensor at start-up (`gamma_
 `gamma_decode`; allgather decodes P packets). A collective of n bytes over P ranks is
 modelled with ring algorithms:
 allreduce ``2(P-1)·alpha + 2(P-1)/P · n · beta``, allgather of m bytes each
-``(P-1)·alpha + (P-1) · m · beta``, broadcast ``ceil(log2 P)·(alpha + n·beta)``.
+``(P-1)·alpha + (P-1) · m · beta``, broadcast ``ceil(log2 P)·(alpha + n·beta)``, all-to-all of
+n bytes out ``2(P-1)·alpha + n·beta`` (counts first).
 alpha (s) and beta (s/byte) are measured once at start-up, then averaged over ranks so
 every rank holds the same numbers and makes the same choice for every bucket.
 """
@@ -42,6 +43,10 @@ class CostModel:
 
     def broadcast(self, nbytes: int, world: int) -> float:
         return math.ceil(math.log2(max(world, 2))) * (self.alpha + nbytes * self.beta)
+
+    def alltoall(self, nbytes_out: int, world: int) -> float:
+        """Pairwise exchange: one message to each peer, nbytes_out in all, after a size exchange."""
+        return 2 * (world - 1) * self.alpha + (nbytes_out + 16 * (world - 1)) * self.beta
 
 
 def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5) -> CostModel:
@@ -107,11 +112,13 @@ def worth_compressing(c: Compressor, numel: int, dtype: torch.dtype) -> bool:
 
 
 class Auto(Strategy):
-    """The cheapest of dense allreduce, allreduce of summable payloads, allgather of packets
-    and (for plain top-k) AR-top-k, by the cost model. The choice is made once, from the sizes
-    of all the tensors exchanged (`plan_sizes`, set by the DDP hook from the model's
-    parameters) or else from the first bucket, so it is the same on every rank and does not
-    depend on how tensors are grouped into buckets."""
+    """Summable compressors (none, fp16, bf16, randomk) are allreduced, as torch's hooks do:
+    nothing is cheaper on the wire and the sums match torch's bit for bit. For the others, the
+    cheapest of dense allreduce, allgather of packets and (for plain top-k) AR-top-k, by the
+    cost model. The choice is made once, from the sizes of all the tensors exchanged
+    (`plan_sizes`, set by the DDP hook from the model's parameters) or else from the first
+    bucket, so it is the same on every rank and does not depend on how tensors are grouped
+    into buckets."""
 
     name = "auto"
 
@@ -123,20 +130,24 @@ class Auto(Strategy):
             raise ValueError("give both alpha and beta to override the measured cost model, or neither")
         if (gamma_encode is None) != (gamma_decode is None):
             raise ValueError("give both gamma_encode and gamma_decode, or neither")
+        c = self.compressor
+        self.plan_sizes: list[int] | None = None
+        self.choice: str | None = None
+        if c.summable:
+            self.subs: dict[str, Strategy] = {"allreduce": Allreduce(backend, c, error_feedback)}
+            self.choice = "allreduce"  # nothing to measure
+            return
         self.model = CostModel(alpha, beta) if alpha is not None else measure(backend)  # type: ignore[arg-type]
         self.gamma = (gamma_encode, gamma_decode) if gamma_encode is not None else \
             measure_compute(backend, self.compressor)  # type: ignore[assignment]
         log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s), encode %.3g s/elem, decode %.3g s/elem",
                  self.model.alpha, self.model.beta, 1e-9 / self.model.beta, *self.gamma)
-        c = self.compressor
-        self.subs: dict[str, Strategy] = {"dense": DenseAllreduce(backend),
-                                          "allgather": Allgather(backend, c, error_feedback, min_numel)}
-        if c.summable:
-            self.subs["allreduce"] = Allreduce(backend, c, error_feedback)
+        self.subs = {"dense": DenseAllreduce(backend), "allgather": Allgather(backend, c, error_feedback, min_numel)}
         if c.name == "topk":
+            from .oktopk import OkTopK
+
             self.subs["artopk"] = ARTopK(backend, c, error_feedback)
-        self.plan_sizes: list[int] | None = None
-        self.choice: str | None = None
+            self.subs["oktopk"] = OkTopK(backend, c, error_feedback)
 
     def predict(self, sizes: list[int], dtype: torch.dtype) -> dict[str, float]:
         """Modelled seconds of each candidate for exchanging tensors of these sizes."""
@@ -153,11 +164,10 @@ class Auto(Strategy):
         numel = sum(sizes)
         enc, dec = self.gamma
         times["allgather"] = m.allgather(est, world, sized=static) + numel * (enc + world * dec)
-        if "allreduce" in self.subs:
-            times["allreduce"] = m.allreduce(est, world) + numel * (enc + dec)
         if "artopk" in self.subs:
             k = sum(self.compressor.value_count(n) for n in sizes)  # type: ignore[attr-defined]
             times["artopk"] = m.broadcast(8 * k, world) + m.allreduce(k * item + item, world) + numel * (enc + dec)
+            times["oktopk"] = oktopk_seconds(m, k, item, world) + numel * (enc + dec)
         return times
 
     def choose(self, sizes: list[int], dtype: torch.dtype) -> str:
@@ -189,34 +199,8 @@ class Auto(Strategy):
             self.subs[n].load_state_dict(s)
 
 
-STRATEGIES = ("auto", "allreduce", "allgather", "artopk", "powersgd", "dense")
-
-
-def make_strategy(name: str, backend: Backend, compressor: Compressor | str = "none", error_feedback: bool = True,
-                  **options: Any) -> Strategy:
-    """Build a strategy by name; unknown names or options raise ValueError."""
-    c = make_compressor(compressor)
-    if name == "powersgd":
-        from .powersgd import PowerSGD
-
-        return PowerSGD(backend, error_feedback=error_feedback, **options)
-    if name == "allgather":
-        unknown = set(options) - {"min_numel"}
-        if unknown:
-            raise ValueError(f"strategy 'allgather' takes min_numel, got {sorted(unknown)}")
-        return Allgather(backend, c, error_feedback, **options)
-    if options and name != "auto":
-        raise ValueError(f"strategy {name!r} takes no options, got {sorted(options)}")
-    if name == "auto":
-        unknown = set(options) - {"alpha", "beta", "gamma_encode", "gamma_decode", "min_numel"}
-        if unknown:
-            raise ValueError(f"strategy 'auto' takes alpha, beta, gamma_encode, gamma_decode and min_numel, "
-                             f"got {sorted(unknown)}")
-        return Auto(backend, c, error_feedback, **options)
-    if name == "allreduce":
-        return Allreduce(backend, c, error_feedback)
-    if name == "artopk":
-        return ARTopK(backend, c, error_feedback)
-    if name == "dense":
-        return DenseAllreduce(backend)
-    raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+def oktopk_seconds(m: CostModel, k: int, item: int, world: int) -> float:
+    """Modelled `oktopk` exchange of k pairs: (P-1)/P of them out by all-to-all, then an
+    allgatherv of about k/P kept pairs each (a value and a bit-packed index, ~2 bytes)."""
+    pair = 2 + item
+    return m.alltoall(k * pair * (world - 1) // world, world) + m.allgather(k * pair // world + 12, world, sized=False)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .backend import Backend, Work
+from .backend import Backend, Work, check_same_dtype, dtype_code
 
 
 def _mpi() -> Any:
@@ -79,6 +79,14 @@ _SUM_TYPES: dict[torch.dtype, tuple[str, torch.dtype]] = {
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous, autograd-free view of t (a copy only when t is not contiguous)."""
     return t.detach().contiguous().view(-1)
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    """Where each rank's part starts in a packed buffer."""
+    out = [0] * len(counts)
+    for r in range(1, len(counts)):
+        out[r] = out[r - 1] + counts[r - 1]
+    return out
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -171,17 +179,41 @@ class MPIBackend(Backend):
         send = self._stage_in(_bytes(t))  # bytes: any dtype, no MPI type table
         recv = self._empty_like_for_mpi(sum(counts) * item, torch.uint8, t)
         byte_counts = [c * item for c in counts]
-        displs = [0] * len(counts)
-        for r in range(1, len(counts)):
-            displs[r] = displs[r - 1] + byte_counts[r - 1]
         req = self.comm.Iallgatherv([self._buf(send), self.MPI.BYTE],
-                                    [self._buf(recv), byte_counts, displs, self.MPI.BYTE])
+                                    [self._buf(recv), byte_counts, _displacements(byte_counts), self.MPI.BYTE])
 
         def finish() -> list[torch.Tensor]:
             req.Wait()
             _ = send  # keep the send buffer alive until the request completes
             whole = recv if recv.device == t.device else recv.to(t.device)
             return list(torch.split(whole.view(t.dtype), counts))
+
+        return Work(wait=finish)
+
+    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+        """chunks[j] to rank j, as raw bytes (any dtype); what every rank sent here, in rank order."""
+        dtype = self._check_chunks(chunks)
+        send_counts = [c.numel() for c in chunks]
+        if recv_counts is None:
+            pairs = self.comm.alltoall([(n, dtype_code(dtype)) for n in send_counts])
+            check_same_dtype("alltoall", [c for _, c in pairs])
+            recv_counts = [n for n, _ in pairs]
+        elif len(recv_counts) != self.world_size:
+            raise ValueError(f"alltoall needs one receive count per rank ({self.world_size}), got {len(recv_counts)}")
+        item = torch.empty((), dtype=dtype).element_size()
+        like = chunks[0]
+        send = self._stage_in(_bytes(torch.cat([c.reshape(-1) for c in chunks])))
+        recv = self._empty_like_for_mpi(sum(recv_counts) * item, torch.uint8, like)
+        sb, rb = [n * item for n in send_counts], [n * item for n in recv_counts]
+        req = self.comm.Ialltoallv([self._buf(send), sb, _displacements(sb), self.MPI.BYTE],
+                                   [self._buf(recv), rb, _displacements(rb), self.MPI.BYTE])
+        counts = list(recv_counts)
+
+        def finish() -> list[torch.Tensor]:
+            req.Wait()
+            _ = send  # keep the send buffer alive until the request completes
+            whole = recv if recv.device == like.device else recv.to(like.device)
+            return list(torch.split(whole.view(dtype), counts))
 
         return Work(wait=finish)
 

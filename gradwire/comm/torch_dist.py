@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import Backend, Work
+from .backend import Backend, Work, check_same_dtype, dtype_code
 
 
 class TorchDistBackend(Backend):
@@ -39,6 +39,27 @@ class TorchDistBackend(Backend):
         longest = max(counts)
         padded = t if t.numel() == longest else torch.cat([t, t.new_zeros(longest - t.numel())])
         return self.allgather(padded).then(lambda outs: [o[:n] for o, n in zip(outs, counts)])
+
+    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+        dtype = self._check_chunks(chunks)
+        device = chunks[0].device
+        send_counts = [c.numel() for c in chunks]
+        if recv_counts is None:  # (count, dtype) to every rank, one small blocking all-to-all
+            code = dtype_code(dtype)
+            mine = torch.tensor([[n, code] for n in send_counts], dtype=torch.int64, device=device).view(-1)
+            theirs = torch.empty_like(mine)
+            dist.all_to_all_single(theirs, mine, group=self.group)
+            pairs = theirs.view(-1, 2).tolist()
+            check_same_dtype("alltoall", [c for _, c in pairs])
+            recv_counts = [n for n, _ in pairs]
+        elif len(recv_counts) != self.world_size:
+            raise ValueError(f"alltoall needs one receive count per rank ({self.world_size}), got {len(recv_counts)}")
+        send = torch.cat([c.reshape(-1) for c in chunks])
+        out = torch.empty(sum(recv_counts), dtype=dtype, device=device)
+        fut = dist.all_to_all_single(out, send, list(recv_counts), send_counts, group=self.group,
+                                     async_op=True).get_future()
+        counts = list(recv_counts)
+        return Work(future=fut.then(lambda f: list(torch.split(out, counts))))
 
     def broadcast(self, t: torch.Tensor, src: int) -> Work[torch.Tensor]:
         fut = dist.broadcast(t, src=dist.get_global_rank(self.group, src) if self.group else src,

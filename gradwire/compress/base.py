@@ -25,7 +25,21 @@ class Ctx:
     seed: int = 0
     step: int = 0
     rank: int = 0
-    key: int = 0
+    key: int | str = 0  # a string (a bucket or parameter name) is hashed with `key_of`
+
+    def __post_init__(self) -> None:
+        for name in ("seed", "step", "rank", "key"):
+            value = getattr(self, name)
+            if name == "key" and isinstance(value, str):
+                object.__setattr__(self, name, self.key_of(value))
+                continue
+            try:  # numpy and torch integer scalars become plain ints
+                if isinstance(value, bool):
+                    raise TypeError
+                object.__setattr__(self, name, int(value.__index__()))
+            except (AttributeError, TypeError):
+                kinds = "an int or a str" if name == "key" else "an int"
+                raise TypeError(f"Ctx.{name} must be {kinds}, got {type(value).__name__} {value!r}") from None
 
     @staticmethod
     def key_of(name: str) -> int:
@@ -76,6 +90,10 @@ class Compressor:
     summable: ClassVar[bool] = False  # payloads may be summed element-wise (allreduce)
     stochastic: ClassVar[bool] = False  # output depends on Ctx
     role: ClassVar[str] = "dense"  # "dense", "sparse" or "lossless": where it may sit in a chain
+    # error_feedback="auto" turns error feedback on: the compressor is biased enough for the
+    # residual to matter (sparsifiers, sign/onebit, fp8/int8), not a near-lossless cast or
+    # an unbiased estimator (randomk, qsgd, terngrad), whose residuals only add variance
+    feedback_helps: ClassVar[bool] = True
     flag_bits: ClassVar[int] = 0  # header flag bits this codec defines; any other set bit is rejected
 
     def __init__(self, **kwargs: Any) -> None:

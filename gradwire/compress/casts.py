@@ -12,6 +12,7 @@ from .wire import Kind, Packet, Section
 class _Cast(Compressor):
     wire_dtype: torch.dtype | None = None  # None: keep the input dtype
     summable = True
+    feedback_helps = False
 
     def _dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype or dtype

@@ -51,6 +51,10 @@ class Chain(Compressor):
     def stochastic(self) -> bool:  # type: ignore[override]
         return any(s.stochastic for s in self.stages)
 
+    @property
+    def feedback_helps(self) -> bool:  # type: ignore[override]
+        return any(s.feedback_helps for s in self.stages)
+
     def __str__(self) -> str:
         return "+".join(str(s) for s in self.stages)
 

@@ -138,3 +138,15 @@ class DGCMomentum:
 def _check_spec(c: Compressor, state: dict[str, Any]) -> None:
     if state.get("compressor") != str(c):
         raise ValueError(f"state was saved for compressor {state.get('compressor')!r}, this one is {str(c)!r}")
+
+
+def resolve_error_feedback(setting: bool | str, compressor: Compressor | str) -> bool:
+    """`error_feedback=` as users give it: True/False, "on"/"off", or "auto" (the default):
+    on exactly where the compressor's `feedback_helps` says it pays off."""
+    if isinstance(setting, bool):
+        return setting
+    if setting == "auto":
+        return make_compressor(compressor).feedback_helps
+    if setting in ("on", "off"):
+        return setting == "on"
+    raise ValueError(f"error_feedback must be True, False, 'on', 'off' or 'auto', got {setting!r}")

@@ -225,6 +225,7 @@ class Zstd(Compressor):
     name = "zstd"
     codec_id = 14
     role = "lossless"
+    feedback_helps = False
     flag_bits = 0x01  # FLAG_NVCOMP_ANS
     params = (Param("level", int, 3, lambda v: 1 <= v <= 22, "1 <= level <= 22"),)
 

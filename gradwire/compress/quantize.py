@@ -417,6 +417,7 @@ class _Stochastic(_Chunked):
     """Sign bit + stochastic level in [0, s] scaled by a per-bucket scale (qsgd, terngrad)."""
 
     stochastic = True
+    feedback_helps = False  # unbiased stochastic rounding
     level_kind = Kind.DATA
     by_norm = True  # the scale: the bucket's L2 norm (qsgd), else its max |x| (terngrad)
 

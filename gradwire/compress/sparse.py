@@ -596,6 +596,7 @@ class RandomK(_FixedK):
     params = (_RATIO, _K, _INDICES)
     stochastic = True
     summable = True
+    feedback_helps = False  # scaled to be unbiased: residuals would grow, not shrink
     _sentinel = True
 
     @staticmethod

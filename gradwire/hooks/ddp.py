@@ -3,11 +3,15 @@
     state = gradwire.hooks.ddp.register(model, "topk:ratio=0.01")   # or:
     model.register_comm_hook(GradwireState("qsgd:bits=4"), gradwire_hook)
 
-Dense allreduce runs until `start_iter` (DDP rebuilds its buckets after the first
-iteration, so per-bucket state is keyed reliably only from the second); buckets whose
-packet would not be smaller than dense are allreduced; error feedback is kept per
-parameter. At the first compressed step the ranks compare a fingerprint of their config
-and all raise if they differ, instead of hanging or silently diverging.
+Defaults follow the compressor: `error_feedback="auto"` is on for biased compressors
+(sparsifiers, sign, onebit, fp8, int8) and off for casts and unbiased ones (none, fp16, bf16,
+randomk, qsgd, terngrad); see `Compressor.feedback_helps`. Compression starts at `start_iter`,
+by default at once when no per-parameter state is kept (so `register(ddp, "fp16")` is torch's
+`fp16_compress_hook` bit for bit, and `"none"` DDP's own allreduce), else after two dense
+iterations (DDP rebuilds its buckets after the first, so per-parameter state is keyed reliably
+only from the second). Buckets whose packet would not be smaller than dense are allreduced;
+error feedback is kept per parameter. At the first call the ranks compare a fingerprint of their config and all raise
+if they differ, instead of hanging or silently diverging.
 
 Compression, randomness and error feedback work per parameter (keyed by its name), so
 results do not depend on how DDP groups parameters into buckets — DDP regroups after its
@@ -39,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm.backend import Work
-from ..comm.cost import make_strategy
+from ..comm.registry import make_strategy
 from ..comm.strategies import DenseAllreduce, Strategy
 from ..comm.torch_dist import TorchDistBackend
-from ..compress import Ctx, compressor as make_compressor
+from ..compress import Ctx, compressor as make_compressor, resolve_error_feedback
 from ..errors import ConfigMismatchError
 
 
@@ -52,16 +56,20 @@ class GradwireState:
     """Everything the hook keeps between calls; pickles without its process group."""
 
     def __init__(self, compressor: str = "topk:ratio=0.01", strategy: str = "auto",
-                 process_group: dist.ProcessGroup | None = None, error_feedback: bool = True,
-                 start_iter: int = 2, seed: int = 0, model: torch.nn.Module | None = None,
+                 process_group: dist.ProcessGroup | None = None, error_feedback: bool | str = "auto",
+                 start_iter: int | None = None, seed: int = 0, model: torch.nn.Module | None = None,
                  **strategy_options: Any) -> None:
-        self.compressor = str(make_compressor(compressor))
+        c = make_compressor(compressor)
+        self.compressor = str(c)
         self.strategy_name = strategy
-        self.error_feedback = bool(error_feedback)
-        self.start_iter = int(start_iter)
+        if strategy == "powersgd" and error_feedback == "auto":
+            error_feedback = True  # PowerSGD's own error feedback, on by default as in torch's powerSGD_hook
+        self.error_feedback = resolve_error_feedback(error_feedback, c)
+        stateful = self.error_feedback or strategy in ("powersgd", "artopk", "oktopk") or (strategy == "auto" and not c.summable)
+        self.start_iter = (2 if stateful else 0) if start_iter is None else int(start_iter)
         self.seed = int(seed)
         self.strategy_options = dict(strategy_options)
-        if self.start_iter < 2 and (self.error_feedback or strategy in ("powersgd", "artopk", "auto")):
+        if self.start_iter < 2 and stateful:
             raise ValueError("start_iter must be >= 2 when error feedback or per-bucket state is used: "
                              "DDP rebuilds its buckets after the first iteration")
         self.process_group = process_group
@@ -180,11 +188,11 @@ def gradwire_hook(state: GradwireState, bucket: dist.GradBucket) -> torch.future
     """The DDP comm hook: returns a future of the averaged bucket."""
     buffer = bucket.buffer()
     key = bucket.index()
+    if not state._checked:  # first call, before any collective: configs may differ even in start_iter
+        state._check_config()
     if state.iter < state.start_iter:
         work: Work[torch.Tensor] = state.dense.exchange(buffer, key, Ctx(), average=True)
     else:
-        if not state._checked:
-            state._check_config()
         ctx = Ctx(seed=state.seed, step=state.iter, rank=state.backend.rank, key=key)
         shapes = [p.shape for p in bucket.parameters()]
         work = state.strategy.exchange(buffer, key, ctx, average=True, shapes=shapes, keys=state.keys_of(bucket))

@@ -7,7 +7,7 @@ Two objects:
   (summable: `none`, `fp16`, `bf16`, `randomk`, and chains of those)::
 
       opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                     compression=gradwire.hooks.horovod.Compression("bf16"))
+                                     compression=gradwire.hooks.horovod.Compression.fp16)
 
 - `DistributedOptimizer(optimizer, named_parameters, compression="topk:ratio=0.01", ...)`:
   a drop-in for `hvd.DistributedOptimizer` taking any gradwire compressor, with error
@@ -26,11 +26,11 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 
-from ..compress import Compressor, Ctx, ErrorFeedback, compressor as make_compressor
+from ..compress import Compressor, Ctx, ErrorFeedback, compressor as make_compressor, resolve_error_feedback
 from ..errors import WireFormatError
 
 try:  # Horovod is optional: importing this module without it only fails on use
@@ -74,7 +74,14 @@ class Compression:
     ranks as long as they compress same-shaped gradients in the same order, which holds for
     gradient hooks of the same model. For exact per-parameter keys (and error feedback) use
     `gradwire.hooks.horovod.DistributedOptimizer`.
+
+    ``Compression.none``, ``Compression.fp16`` and ``Compression.bf16`` are ready instances,
+    spelled as Horovod's own ``hvd.Compression.fp16``, so Horovod code changes only its import.
     """
+
+    none: ClassVar[Compression]
+    fp16: ClassVar[Compression]
+    bf16: ClassVar[Compression]
 
     def __init__(self, spec: str | Compressor = "fp16", seed: int = 0) -> None:
         c = make_compressor(spec)
@@ -122,6 +129,11 @@ class Compression:
         return self.compressor.from_summable(tensor, like, c)
 
 
+Compression.none = Compression("none")
+Compression.fp16 = Compression("fp16")
+Compression.bf16 = Compression("bf16")
+
+
 # ---------------------------------------------------------------------------------------
 # DistributedOptimizer: any gradwire compressor, with error feedback
 # ---------------------------------------------------------------------------------------
@@ -161,8 +173,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             compressors' randomness, and must be the same on every rank.
         compression: a gradwire spec or Compressor (any, summable or not); also accepts a
             `Compression` object.
-        error_feedback: keep what compression dropped and send it later (off for the
-            unbiased `randomk`, whose scaled residuals grow).
+        error_feedback: keep what compression dropped and send it later; ``"auto"`` (default)
+            is on for biased compressors and off for casts and unbiased ones (`randomk`,
+            `qsgd`, `terngrad`), see `Compressor.feedback_helps`.
         backward_passes_per_step: local accumulation passes before each exchange.
         op: ``hvd.Average`` or ``hvd.Sum``.
         seed: seed of the compressors' randomness (the same on every rank).
@@ -181,7 +194,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return super().__new__(sub)
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 compression: str | Compressor | Compression = "topk:ratio=0.01", error_feedback: bool = True,
+                 compression: str | Compressor | Compression = "topk:ratio=0.01", error_feedback: bool | str = "auto",
                  backward_passes_per_step: int = 1, op: Any = None, seed: int = 0) -> None:
         h = _need_hvd()
         super().__init__(optimizer.param_groups)  # the wrapped class's __init__, on shared groups
@@ -190,7 +203,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             compression = compression.compressor
         self._gw_compressor = make_compressor(compression)
         self._gw_raw = make_compressor("none")
-        self._gw_feedback = ErrorFeedback(self._gw_compressor) if error_feedback else None
+        wanted = resolve_error_feedback(error_feedback, self._gw_compressor)
+        self._gw_feedback = ErrorFeedback(self._gw_compressor) if wanted else None
         self._gw_seed = int(seed)
         self._gw_step = 0
         self._gw_ar_ok: dict[tuple, bool] = {}

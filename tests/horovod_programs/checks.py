@@ -103,7 +103,7 @@ def controller():
 @check
 def compression_fp16_matches_horovod_fp16():
     results = []
-    for compression in (hvd.Compression.fp16, gwh.Compression("fp16")):
+    for compression in (hvd.Compression.fp16, gwh.Compression.fp16):  # Horovod's own spelling
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
@@ -116,12 +116,12 @@ def compression_fp16_matches_horovod_fp16():
 
 @check
 def compression_summable_specs_train():
-    for spec in ("none", "bf16", "randomk:ratio=0.5", "randomk:ratio=0.5+bf16"):
+    for spec in (gwh.Compression.none, gwh.Compression.bf16, "randomk:ratio=0.5", "randomk:ratio=0.5+bf16"):
         model = make_model()
         before = eval_loss(model)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression=gwh.Compression(spec))
+        compression = spec if isinstance(spec, gwh.Compression) else gwh.Compression(spec)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
         train(model, opt, STEPS)
         after = eval_loss(model)
         assert after < 0.8 * before, f"{spec}: loss {before:.4f} -> {after:.4f}"

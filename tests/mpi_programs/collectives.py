@@ -85,6 +85,38 @@ def allgatherv_dtype_mismatch_raises_everywhere(b) -> None:
     raise AssertionError("allgatherv with different dtypes should raise on every rank")
 
 
+def alltoall_count(src: int, dst: int) -> int:
+    """How many elements src sends to dst: zeros, odd byte offsets and one large chunk."""
+    return 0 if (src + dst) % 3 == 0 else 1000 if src == dst == 1 else 2 * src + dst + 1
+
+
+def alltoall_chunk(src: int, dst: int, dtype: torch.dtype) -> torch.Tensor:
+    return contribution(100 * src + dst, alltoall_count(src, dst), dtype)
+
+
+@check
+def alltoall_unequal_counts(b) -> None:
+    world = b.world_size
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int64):
+        chunks = [alltoall_chunk(b.rank, dst, dtype) for dst in range(world)]
+        for recv_counts in (None, [alltoall_count(src, b.rank) for src in range(world)]):  # exchanged, static
+            parts = b.alltoall(chunks, recv_counts).wait()
+            assert len(parts) == world
+            for src, p in enumerate(parts):
+                bits_equal(p, alltoall_chunk(src, b.rank, dtype), f"alltoall {dtype} from {src}")
+
+
+@check
+def alltoall_dtype_mismatch_raises_everywhere(b) -> None:
+    dtype = torch.float32 if b.rank == 0 else torch.float16
+    try:
+        b.alltoall([torch.zeros(2, dtype=dtype) for _ in range(b.world_size)])
+    except ValueError as e:
+        assert "dtype" in str(e), e
+        return
+    raise AssertionError("alltoall with different dtypes should raise on every rank")
+
+
 @check
 def allgather_equal_counts(b) -> None:
     for dtype in (torch.float16, torch.int32):

@@ -11,9 +11,12 @@ import os
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Callable
+
+import gradwire
 
 from .cluster import EmulatedCluster
 from .config import RunConfig
@@ -27,6 +30,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def source_root() -> str | None:
+    """The folder this gradwire was imported from when that is a source tree (a checkout on
+    PYTHONPATH, an editable install), which rank processes must import from too; None for an
+    installed package, which they find in site-packages as the parent did."""
+    root = Path(gradwire.__file__).resolve().parent.parent
+    installed = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    return None if root in installed else str(root)
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -59,6 +71,7 @@ def launch(cfg: RunConfig, run_dir: Path, cluster: EmulatedCluster | None = None
            on_step: Callable[[int], None] | None = None) -> dict:
     """Run `cfg` on cfg.world ranks (in `cluster`'s namespaces when given); return rank 0's summary.
     `on_step(n)` is called about once a second with the number of steps done so far."""
+    run_dir = run_dir.resolve()  # ranks run in run_dir: nothing may depend on the caller's folder
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     (run_dir / "summary.json").unlink(missing_ok=True)
@@ -67,19 +80,22 @@ def launch(cfg: RunConfig, run_dir: Path, cluster: EmulatedCluster | None = None
     else:
         addr, port = "127.0.0.1", free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    root = source_root()
+    if root is not None:
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if env.get("GRADWIRE_DATA_CACHE"):
+        env["GRADWIRE_DATA_CACHE"] = str(Path(env["GRADWIRE_DATA_CACHE"]).resolve())
     procs: list[subprocess.Popen] = []
     logs = []
     try:
         for r in range(cfg.world):
-            cmd = [sys.executable, "-m", "experiments.worker", str(run_dir), str(r), addr, str(port)]
+            cmd = [sys.executable, "-m", "gradwire.experiments.worker", str(run_dir), str(r), addr, str(port)]
             rank_env = dict(env, GLOO_SOCKET_IFNAME=cluster.iface(r) if cluster is not None else "lo")
             if cluster is not None:
                 cmd = cluster.prefix(r) + cmd
             log = open(run_dir / f"rank{r}.log", "w")
             logs.append(log)
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env, cwd=root))
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env, cwd=run_dir))
         deadline = time.monotonic() + timeout
         failed: int | None = None
         counter = _StepCounter(run_dir / "steps.jsonl")

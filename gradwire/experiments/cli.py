@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="default",
                    help="'default' (allreduce for summable payloads, allgather otherwise) or a gradwire strategy")
     p.add_argument("--error-feedback", default="auto", choices=["auto", "on", "off"],
-                   help="auto: on for biased compressors, off for unbiased ones (randomk, qsgd, terngrad) and casts")
+                   help="auto: on for biased compressors, off for casts and unbiased ones (randomk, qsgd, terngrad)")
     p.add_argument("--min-numel", type=int, default=1024,
                    help="tensors with fewer elements (biases, small layers) are sent uncompressed by the allgather "
                         "strategy: a 1%% top-k would send one value of a 64-element bias per step")
@@ -83,7 +83,8 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
     return Sweep(args.task, arch, args.width, [m.strip() for m in args.methods.split(",") if m.strip()],
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
-                 args.error_feedback, args.data_dir, args.min_numel)
+                 args.error_feedback, str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None,
+                 args.min_numel)
 
 
 def main(argv: list[str] | None = None) -> int:

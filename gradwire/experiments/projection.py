@@ -4,6 +4,7 @@ A projection, not a measurement: each collective costs `alpha` per message hop p
 the link bandwidth `beta` (bytes/s), with the classic ring formulas
     allreduce of b bytes:  2 (P-1) alpha + 2 (P-1)/P * b / beta
     allgather of b bytes:    (P-1) alpha +   (P-1)   * b / beta   (every rank receives P-1 packets)
+    oktopk sending b bytes: 3 (P-1) alpha +      2   * b / beta   (~k pairs out, ~k in, at any P)
 summed over the collectives of a step, plus the compute/encode time measured in the run; decode of
 an allgather grows with the number of packets and is scaled by (P-1)/(P_measured-1).
 """
@@ -58,6 +59,8 @@ def comm_seconds(p: Profile, ranks: int, alpha: float, beta: float) -> float:
         return 0.0
     if p.strategy in ALLGATHER_STRATEGIES:
         return p.collectives * (ranks - 1) * alpha + (ranks - 1) * p.bytes_per_step / beta
+    if p.strategy == "oktopk":  # all-to-all of its pairs out, allgatherv of about as many in
+        return 3 * p.collectives * (ranks - 1) * alpha + 2 * p.bytes_per_step / beta
     return 2 * p.collectives * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * p.bytes_per_step / beta
 
 

@@ -1,6 +1,6 @@
 """One rank of one training run: DDP over gloo with the gradwire hook, measured step by step.
 
-Started by `experiments.launch` as `python -m experiments.worker RUN_DIR RANK MASTER_ADDR PORT`
+Started by `gradwire.experiments.launch` as `python -m gradwire.experiments.worker RUN_DIR RANK MASTER_ADDR PORT`
 (inside a network namespace when the cluster is emulated). Rank 0 writes `steps.jsonl`
 (one record per step and one per evaluation) and `summary.json`; every rank's byte totals
 are gathered into the summary at the end.
@@ -180,6 +180,7 @@ def main(argv: list[str]) -> int:
             tmp = run_dir / "summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=1))
             tmp.replace(run_dir / "summary.json")  # its presence marks the run finished
+        dist.barrier()  # leave together: a rank tearing gloo down while a peer still talks can abort it
     finally:
         dist.destroy_process_group()
     return 0

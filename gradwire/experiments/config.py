@@ -8,10 +8,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gradwire.compress import compressor as make_compressor
+from gradwire.comm.registry import STRATEGIES
+from gradwire.compress import compressor as make_compressor, resolve_error_feedback
 
 SPARSIFIERS = ("topk", "randomk", "dgc")
-UNBIASED = ("randomk", "qsgd", "terngrad")  # unbiased, not contractive: error feedback would hurt them
 
 
 @dataclass(frozen=True)
@@ -41,35 +41,38 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
         options.setdefault("rank", 1)
         ef = error_feedback != "off"
         return Method(f"powersgd:rank={options['rank']}", "none", "powersgd", options, ef)
+    label = spec
+    spec, _, via = spec.partition("@")  # "topk:ratio=0.01@oktopk": this method's own strategy
     c = make_compressor(spec)  # raises ValueError naming what was wrong
     canonical = str(c)
-    head = spec.split("+")[0].split(":")[0]
-    if strategy == "default":
+    if via:
+        if via not in STRATEGIES:
+            raise ValueError(f"unknown strategy {via!r} in {label!r}; valid: {', '.join(STRATEGIES)}")
+        chosen = via
+    elif strategy == "default":
         chosen = "allreduce" if c.summable else "allgather"
     else:
         chosen = strategy
-    if error_feedback == "auto":
-        ef = head not in UNBIASED and not (c.summable and head in ("none", "fp16", "bf16"))
-    else:
-        ef = error_feedback == "on"
+    ef = resolve_error_feedback(error_feedback, c)  # "auto": the library's rule, Compressor.feedback_helps
     options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto") else {}
-    return Method(spec, canonical, chosen, options, ef)
+    return Method(label, canonical, chosen, options, ef)
 
 
 def expand_methods(items: list[str], ratios: list[float]) -> list[str]:
-    """`topk` with ratios [0.01, 0.1] -> `topk:ratio=0.01`, `topk:ratio=0.1`; explicit specs stay."""
+    """`topk` with ratios [0.01, 0.1] -> `topk:ratio=0.01`, `topk:ratio=0.1` (`@strategy` kept
+    at the end); explicit specs stay."""
     out: list[str] = []
     for item in items:
-        item = item.strip()
+        item, at, via = item.strip().partition("@")
         if not item:
             continue
         name = item.split(":")[0].split("+")[0]
         if name in SPARSIFIERS and "ratio=" not in item:
             head, plus, tail = item.partition("+")
             sep = "," if ":" in head else ":"
-            out.extend(f"{head}{sep}ratio={r:g}{plus}{tail}" for r in ratios)
+            out.extend(f"{head}{sep}ratio={r:g}{plus}{tail}{at}{via}" for r in ratios)
         else:
-            out.append(item)
+            out.append(f"{item}{at}{via}")
     seen: set[str] = set()
     return [m for m in out if not (m in seen or seen.add(m))]
 
