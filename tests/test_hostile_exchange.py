@@ -14,7 +14,7 @@ import torch
 import gradwire
 from gradwire import Ctx, WireFormatError
 from gradwire.comm.backend import Backend, Work
-from gradwire.comm.cost import make_strategy
+from gradwire.comm.registry import make_strategy
 from gradwire.comm.sparse import pack, sparse_allgather
 from gradwire.comm.torch_dist import TorchDistBackend
 from gradwire.compress.sparse import TopK
@@ -47,6 +47,9 @@ class Forging(Backend):
         if self.rank == src and self.forge is not None:
             t.copy_(self.forge(t))
         return self.inner.broadcast(t, src)
+
+    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+        return self.inner.alltoall(chunks, recv_counts)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.inner.allgather_object(obj)
