@@ -14,8 +14,8 @@ raise the same WireFormatError (a ValueError) instead of one rank raising and th
 Sums are deterministic and identical on every rank: the value at an index is accumulated
 left to right, starting from +0, over its pairs in (rank, position) order, in float32 for
 float16/bfloat16 values (float64 stays float64), then rounded once to the values' dtype.
-`merge_dense` and `merge_sparse` agree bit for bit. On the CPU one `index_add_` in input
-order does it (sequential); on CUDA no atomics decide an order: pairs are grouped by
+`merge_dense` and `merge_sparse` agree bit for bit. On the CPU a stable sort and one
+`index_add_` (sequential) do it; on CUDA no atomics decide an order: pairs are grouped by
 index and summed in passes whose indices are unique, or on the host when an index repeats
 more than 64 times, so a peer repeating one index a million times costs one pass, not a million.
 """
@@ -160,10 +160,12 @@ def _merge_acc(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Te
 
 
 def _merge_host(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU: torch.unique's inverse is in input order and index_add_ adds in input order, so
-    each index sums its pairs in (rank, position) order in one pass, however often it repeats."""
-    unique, inverse = torch.unique(indices, sorted=True, return_inverse=True)
-    return unique, torch.zeros(unique.numel(), dtype=values.dtype).index_add_(0, inverse, values)
+    """CPU: after a stable sort each index's pairs are in (rank, position) order, and
+    index_add_ adds in input order, so one pass sums them left to right however often an
+    index repeats."""
+    order = torch.argsort(indices, stable=True)
+    unique, inverse = torch.unique_consecutive(indices[order], return_inverse=True)
+    return unique, torch.zeros(unique.numel(), dtype=values.dtype).index_add_(0, inverse, values[order])
 
 
 def merge_dense(parts: list[tuple[torch.Tensor, torch.Tensor]], numel: int, dtype: torch.dtype | None = None,
