@@ -37,14 +37,21 @@ def exact_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 class Oracle:
     """The selection rule, densely, with its own copy of the region boundaries."""
 
-    def __init__(self, world: int, sizes: list[int], ratio: float, boundary_every: int) -> None:
+    def __init__(self, world: int, sizes: list[int], ratio: float, boundary_every: int, min_numel: int = 0) -> None:
         self.world, self.sizes, self.boundary_every, self.steps = world, sizes, boundary_every, 0
-        self.ks = [min(n, max(1, math.ceil(ratio * n))) if n else 0 for n in sizes]
+        self.small = [n < min_numel for n in sizes]  # sent whole, always kept, outside the budget
+        self.ks = [n if s else min(n, max(1, math.ceil(ratio * n))) if n else 0 for n, s in zip(sizes, self.small)]
         total = sum(sizes)
         self.bounds = [total * j // world for j in range(world + 1)]
 
     def step(self, xs: list[torch.Tensor], average: bool) -> torch.Tensor:
-        dtype, total, k = xs[0].dtype, xs[0].numel(), sum(self.ks)
+        dtype, total = xs[0].dtype, xs[0].numel()
+        k = sum(kk for kk, s in zip(self.ks, self.small) if not s)
+        forced = torch.zeros(total, dtype=torch.bool)
+        offset = 0
+        for n, s in zip(self.sizes, self.small):
+            forced[offset: offset + n] = s
+            offset += n
         acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         summed = torch.zeros(total, dtype=acc)
         chosen = torch.zeros(total, dtype=torch.bool)
@@ -55,7 +62,8 @@ class Oracle:
                 summed[idx] += x[idx].to(acc)
                 chosen[idx] = True
                 offset += n
-        cand = chosen.nonzero().view(-1)
+        always = (chosen & forced).nonzero().view(-1)
+        cand = (chosen & ~forced).nonzero().view(-1)
         bits = summed[cand].float().abs().view(torch.int32)
         edge = 0
         if cand.numel() >= k > 0:  # inside the k-th largest's bin, take the needed share of its bit range
@@ -72,7 +80,7 @@ class Oracle:
             if pos.numel() > k:
                 pos = pos[torch.argsort(b, descending=True, stable=True)[:k]].sort().values
             kept.append(pos)
-        kept_all = torch.cat(kept)
+        kept_all = torch.cat(kept + [always]).sort().values
         out = torch.zeros(total, dtype=dtype)
         vals = summed[kept_all]
         out[kept_all] = (vals / self.world if average else vals).to(dtype)
@@ -101,9 +109,10 @@ def matches_the_dense_oracle(b: Backend) -> None:
     sizes = [3000, 1234, 7]
     shapes = [torch.Size([n]) for n in sizes]
     keys = ["w", "v", "bias"]
-    for dtype in (torch.float32, torch.bfloat16):
-        s = make_strategy("oktopk", b, "topk:ratio=0.02", error_feedback=False, boundary_every=3, threshold_every=1)
-        oracle = Oracle(b.world_size, sizes, 0.02, boundary_every=3)
+    for dtype, min_numel in ((torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 8)):
+        s = make_strategy("oktopk", b, "topk:ratio=0.02", error_feedback=False, boundary_every=3, threshold_every=1,
+                          min_numel=min_numel)
+        oracle = Oracle(b.world_size, sizes, 0.02, boundary_every=3, min_numel=min_numel)
         for step in range(5):
             average = step % 2 == 1
             x = inputs(b.rank, step, sizes, dtype)

@@ -152,6 +152,20 @@ def test_sweep_resumes_by_skipping_finished_runs(smoke: Path, capsys: pytest.Cap
     assert capsys.readouterr().out.count("[cached]") == 4
 
 
+# ---- the FSDP engine -----------------------------------------------------------------------
+def test_fsdp_engine_runs_the_sweep_through_the_compressed_reduce_scatter(tmp_path: Path) -> None:
+    args = ["--engine", "fsdp", "--methods", "none,int8", "--worlds", "2", "--steps", "10", "--eval-every", "10",
+            "--no-progress", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    runs = {r["method"]: r for r in _rows(tmp_path / "runs.csv")}
+    assert {r["strategy"] for r in runs.values()} == {"reduce_scatter", "alltoall"}
+    assert all("-fsdp-" in r["run_id"] for r in runs.values())
+    dense, params = int(runs["dense"]["bytes_sent"]), int(runs["dense"]["params"])
+    assert dense == 10 * 4 * params // 2  # 2 ranks: a rank sends the other half of its fp32 gradient
+    assert 3 * int(runs["int8"]["bytes_sent"]) < dense < 4 * int(runs["int8"]["bytes_sent"])
+    assert (tmp_path / "report.md").read_text().count("--engine fsdp") == 2  # each run's command reruns it
+
+
 # ---- the other tasks ----------------------------------------------------------------------
 def test_charlm_trains_on_two_ranks_and_reports_perplexity(tmp_path: Path) -> None:
     cfg = RunConfig("charlm", "transformer", 64, "topk:ratio=0.1", 2, 6, 4, 0.003, eval_every=6)
@@ -221,6 +235,8 @@ def test_methods_expand_over_ratios_and_map_onto_strategies() -> None:
     (["--worlds", "0"], "world sizes"),
     (["--arch", "vgg"], "unknown arch"),
     (["--ratios", "a"], "comma-separated"),
+    (["--engine", "hsdp"], "emulated cluster with nodes"),
+    (["--engine", "fsdp", "--methods", "powersgd:rank=2"], "powersgd needs an all-reduce"),
 ])
 def test_bad_options_fail_clearly_before_running(args: list[str], message: str, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,5 +34,5 @@ def test_options_are_checked() -> None:
         make_strategy("oktopk", None, "qsgd")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="boundary_every"):
         make_strategy("oktopk", None, "topk", boundary_every=0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="takes boundary_every, threshold_every"):
-        make_strategy("oktopk", None, "topk", min_numel=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="takes boundary_every, min_numel, threshold_every"):
+        make_strategy("oktopk", None, "topk", rank=3)  # type: ignore[arg-type]

@@ -18,7 +18,8 @@ Region boundaries balance the kept entries: after a bucket's first step and ever
 message. The threshold is re-estimated from a histogram of the owners' summed magnitudes
 (one allreduce of integers: exact on every backend) at a bucket's first step, every
 `threshold_every` steps, and after a step that kept under 2k/3 or over 3k/2 entries; between,
-it is reused, as in Ok-Topk.
+it is reused, as in Ok-Topk. Segments under `min_numel` elements (biases) are sent whole and
+always kept, outside the k budget: a 1% top-k would starve them.
 
 Error feedback keeps, per rank, everything it did not contribute to the result: unselected
 entries and selected ones whose index the owners dropped. Every sum is computed once, by its
@@ -125,8 +126,8 @@ class OkTopK(Strategy):
     name = "oktopk"
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
-                 boundary_every: int = 256, threshold_every: int = 32) -> None:
-        super().__init__(backend, compressor, error_feedback)
+                 boundary_every: int = 256, threshold_every: int = 32, min_numel: int = 0) -> None:
+        super().__init__(backend, compressor, error_feedback, min_numel)
         if self.compressor.name != "topk":
             raise ValueError(f"oktopk needs a plain topk compressor, got {self.compressor}")
         if int(boundary_every) < 1 or int(threshold_every) < 1:
@@ -151,9 +152,12 @@ class OkTopK(Strategy):
         state = self._bucket("|".join(s.key for s in segs), x.numel())
         corrected = [self._correct(seg.of(x), seg.key) for seg in segs]
         flat = torch.cat(corrected) if len(corrected) > 1 else corrected[0]
+        # segments under min_numel (biases) are sent whole and always kept, outside the k budget
+        small = [seg.numel < self.min_numel for seg in segs]
         ks = [self.compressor.value_count(seg.numel) or 0 for seg in segs]  # type: ignore[attr-defined]
-        k = sum(ks)
-        picked = [topk(c, n)[0] + seg.offset for seg, c, n in zip(segs, corrected, ks)]
+        k = sum(n for n, s in zip(ks, small) if not s)
+        picked = [torch.arange(seg.offset, seg.offset + seg.numel, device=x.device) if s else topk(c, n)[0] + seg.offset
+                  for seg, c, n, s in zip(segs, corrected, ks, small)]
         idx = torch.cat(picked) if picked else torch.empty(0, dtype=torch.int64)
         bounds = state.bounds
         cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=torch.int64)).tolist()
@@ -177,7 +181,13 @@ class OkTopK(Strategy):
             pos = ridx - lo
             region.index_add_(0, pos, rval.to(region.dtype))
             touched[pos] = True
+        forced = torch.zeros(hi - lo, dtype=torch.bool, device=x.device)
+        for seg, s in zip(segs, small):
+            if s:
+                forced[max(seg.offset - lo, 0): max(min(seg.offset + seg.numel, hi) - lo, 0)] = True
         positions = touched.nonzero().view(-1)
+        always = positions[forced[positions]]
+        positions = positions[~forced[positions]]
         bits = magnitude_bits(region[positions])
         estimate = (state.threshold_bits is None or state.steps % self.threshold_every == 0
                     or not 2 * k / 3 <= state.last_kept <= 3 * k / 2)
@@ -188,6 +198,8 @@ class OkTopK(Strategy):
             state.threshold_bits = threshold_from_histogram(hist, k)
             hist_bytes = 2 * (world - 1) * hist.numel() * hist.element_size() // world  # a ring allreduce, each way
         keep = keep_largest(positions, bits, state.threshold_bits, max(k, 0))  # type: ignore[arg-type]
+        if always.numel():
+            keep = torch.cat([keep, always]).sort().values
         values = region[keep]
         if average:
             values.div_(world)
@@ -228,7 +240,7 @@ class OkTopK(Strategy):
                 for seg, c in zip(segs, corrected):
                     self._remember(seg.key, c, seg.of(contributed))
             state.steps += 1
-            state.last_kept = everything.numel()
+            state.last_kept = everything.numel() - sum(seg.numel for seg, s in zip(segs, small) if s)
             rebalance = state.steps == 1 or state.steps % self.boundary_every == 0  # first: regions start equal
             if rebalance and everything.numel() >= world:
                 state.bounds = [0] + [int(everything[everything.numel() * j // world]) for j in range(1, world)] \

@@ -37,7 +37,7 @@ _STRATEGIES: dict[str, tuple[Callable[..., Strategy], frozenset[str] | None]] = 
     "allreduce": (lambda b, c, ef: Allreduce(b, c, ef), frozenset()),
     "allgather": (lambda b, c, ef, **o: Allgather(b, c, ef, **o), frozenset({"min_numel"})),
     "artopk": (lambda b, c, ef: ARTopK(b, c, ef), frozenset()),
-    "oktopk": (_oktopk, frozenset({"boundary_every", "threshold_every"})),
+    "oktopk": (_oktopk, frozenset({"boundary_every", "threshold_every", "min_numel"})),
     "powersgd": (_powersgd, None),
     "dense": (lambda b, c, ef: DenseAllreduce(b), frozenset()),
 }

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-numel", type=int, default=1024,
                    help="tensors with fewer elements (biases, small layers) are sent uncompressed by the allgather "
                         "strategy: a 1%% top-k would send one value of a 64-element bias per step")
+    p.add_argument("--engine", default="ddp", choices=["ddp", "fsdp", "hsdp"],
+                   help="ddp: DDP + the gradwire comm hook; fsdp: FSDP2 fully_shard + gradwire's compressed "
+                        "reduce-scatter; hsdp: not available yet (needs an emulated cluster with nodes)")
     p.add_argument("--data-dir", default=None, help="local dataset folder (cifar10: cifar-10-batches-py)")
     p.add_argument("--out", default=None, help="output folder (default: experiment-results/<task>)")
     p.add_argument("--alpha-us", type=float, default=50.0, help="per-message latency of the alpha-beta projection")
@@ -80,11 +83,15 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
         raise ValueError("--steps and --eval-every must be >= 1")
     if args.min_numel < 0:
         raise ValueError("--min-numel must be >= 0")
+    if args.engine == "hsdp":
+        raise ValueError("--engine hsdp needs an emulated cluster with nodes (rate limits only between nodes), "
+                         "which does not exist yet; the HSDP hook itself works (gradwire.hooks.fsdp.register with "
+                         "replicate_group=)")
     return Sweep(args.task, arch, args.width, [m.strip() for m in args.methods.split(",") if m.strip()],
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
                  args.error_feedback, str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None,
-                 args.min_numel)
+                 args.min_numel, args.engine)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from gradwire.comm.registry import STRATEGIES
 from gradwire.compress import compressor as make_compressor, resolve_error_feedback
 
 SPARSIFIERS = ("topk", "randomk", "dgc")
+ENGINES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
     else:
         chosen = strategy
     ef = resolve_error_feedback(error_feedback, c)  # "auto": the library's rule, Compressor.feedback_helps
-    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto") else {}
+    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto", "oktopk") else {}
     return Method(label, canonical, chosen, options, ef)
 
 
@@ -96,9 +97,16 @@ class RunConfig:
     error_feedback: str = "auto"
     data_dir: str | None = None
     min_numel: int = 0  # tensors under this many elements are sent uncompressed (allgather/auto only)
+    engine: str = "ddp"  # "ddp" or "fsdp" (FSDP2 fully_shard, gradwire's compressed reduce-scatter)
 
     def resolved(self) -> Method:
-        return parse_method(self.method, self.strategy, self.error_feedback, self.min_numel)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        method = parse_method(self.method, self.strategy, self.error_feedback, self.min_numel)
+        if self.engine == "fsdp" and method.strategy == "powersgd":
+            raise ValueError("powersgd needs an all-reduce; FSDP reduce-scatters (it runs on HSDP's cross-replica "
+                             "all-reduce, which needs the node-aware cluster: --engine hsdp is not available yet)")
+        return method
 
     def uses_min_numel(self) -> bool:
         return "min_numel" in self.resolved().options
@@ -107,10 +115,13 @@ class RunConfig:
         d = asdict(self)
         if not d["min_numel"]:
             del d["min_numel"]  # added later: runs without it keep their ids and resume
+        if d["engine"] == "ddp":
+            del d["engine"]  # likewise
         return d
 
     @property
     def run_id(self) -> str:
         digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
         slug = re.sub(r"[^A-Za-z0-9.=]+", "_", self.resolved().label)
-        return f"{self.task}-{self.arch}{self.width}-{slug}-w{self.world}-{self.link}-s{self.seed}-{digest}"
+        engine = "" if self.engine == "ddp" else f"-{self.engine}"
+        return f"{self.task}-{self.arch}{self.width}-{slug}{engine}-w{self.world}-{self.link}-s{self.seed}-{digest}"

@@ -5,6 +5,8 @@ the link bandwidth `beta` (bytes/s), with the classic ring formulas
     allreduce of b bytes:  2 (P-1) alpha + 2 (P-1)/P * b / beta
     allgather of b bytes:    (P-1) alpha +   (P-1)   * b / beta   (every rank receives P-1 packets)
     oktopk sending b bytes: 3 (P-1) alpha +      2   * b / beta   (~k pairs out, ~k in, at any P)
+    FSDP reduce-scatter or all-to-all of a gradient of c bytes (compressed or dense):
+                             (P-1) alpha + (P-1)/P * c / beta     (c = b P_measured / (P_measured - 1))
 summed over the collectives of a step, plus the compute/encode time measured in the run; decode of
 an allgather grows with the number of packets and is scaled by (P-1)/(P_measured-1).
 """
@@ -18,6 +20,7 @@ from typing import Any, Iterable
 from .cluster import rate_bits
 
 ALLGATHER_STRATEGIES = ("allgather",)
+REDUCE_SCATTER_STRATEGIES = ("alltoall", "reduce_scatter")  # FSDP: each rank sends (P-1)/P of its gradient
 PROJECTED_RANKS = (8, 16, 64, 256, 1024)
 PROJECTED_LINKS = ("1gbit", "10gbit", "100gbit")
 
@@ -61,6 +64,9 @@ def comm_seconds(p: Profile, ranks: int, alpha: float, beta: float) -> float:
         return p.collectives * (ranks - 1) * alpha + (ranks - 1) * p.bytes_per_step / beta
     if p.strategy == "oktopk":  # all-to-all of its pairs out, allgatherv of about as many in
         return 3 * p.collectives * (ranks - 1) * alpha + 2 * p.bytes_per_step / beta
+    if p.strategy in REDUCE_SCATTER_STRATEGIES:
+        whole = p.bytes_per_step * p.world / max(p.world - 1, 1)
+        return p.collectives * (ranks - 1) * alpha + (ranks - 1) / ranks * whole / beta
     return 2 * p.collectives * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * p.bytes_per_step / beta
 
 

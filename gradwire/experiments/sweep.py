@@ -32,6 +32,7 @@ class Sweep:
     error_feedback: str = "auto"
     data_dir: str | None = None
     min_numel: int = 0
+    engine: str = "ddp"
 
     def runs(self) -> list[RunConfig]:
         out = []
@@ -41,7 +42,7 @@ class Sweep:
                     for method in expand_methods(self.methods, self.ratios):
                         cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
                                         self.lr, seed, self.eval_every, link, self.strategy, self.error_feedback,
-                                        self.data_dir, self.min_numel)
+                                        self.data_dir, self.min_numel, self.engine)
                         if not cfg.uses_min_numel():  # bad method strings fail here, before anything runs
                             cfg = replace(cfg, min_numel=0)  # irrelevant to this method: same run id either way
                         out.append(cfg)
@@ -58,6 +59,8 @@ def command_for(cfg: RunConfig, out: Path) -> str:
     if cfg.data_dir:
         parts += ["--data-dir", cfg.data_dir]
     parts += ["--min-numel", str(cfg.min_numel)]
+    if cfg.engine != "ddp":
+        parts += ["--engine", cfg.engine]
     return shlex.join(parts)
 
 

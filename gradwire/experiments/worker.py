@@ -1,4 +1,5 @@
-"""One rank of one training run: DDP over gloo with the gradwire hook, measured step by step.
+"""One rank of one training run: DDP (or FSDP2 with `engine="fsdp"`) over gloo with the gradwire
+hook, measured step by step.
 
 Started by `gradwire.experiments.launch` as `python -m gradwire.experiments.worker RUN_DIR RANK MASTER_ADDR PORT`
 (inside a network namespace when the cluster is emulated). Rank 0 writes `steps.jsonl`
@@ -86,17 +87,49 @@ def reference_compute(model: torch.nn.Module, task: Task, ds: Dataset, loader, r
     return statistics.median(times)
 
 
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 on every child with parameters (the elements of a ModuleList, which has no forward), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        parts = list(child) if isinstance(child, torch.nn.ModuleList) else [child]
+        for part in parts:
+            if any(p.requires_grad for p in part.parameters()):
+                fully_shard(part)
+    fully_shard(model)
+    return model
+
+
+class _FSDPStats:
+    """The DDP state's `last_stats`, read from the FSDP hook's per-step totals."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        return self.state.take_stats().as_dict()
+
+
 def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any] | None:
     task = get_task(cfg.task)
     cache = Path(os.environ.get("GRADWIRE_DATA_CACHE", Path.home() / ".cache" / "gradwire" / "data"))
     ds = task.load(Path(cfg.data_dir) if cfg.data_dir else None, cache)
     torch.manual_seed(cfg.seed)
     model = task.model(cfg.arch, cfg.width)
-    # own BatchNorm statistics per rank: buffer broadcasts would be traffic the hook does not count
-    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     method = cfg.resolved()
-    state = gradwire.hooks.ddp.register(ddp, method.compressor, strategy=method.strategy,
-                                        error_feedback=method.error_feedback, seed=cfg.seed, **method.options)
+    state: Any
+    if cfg.engine == "fsdp":
+        bare = copy.deepcopy(model)  # for the reference compute time, without FSDP's hooks
+        from gradwire.hooks import fsdp as fsdp_hook  # needs FSDP2; DDP runs do not import it
+        ddp = model = shard(model)
+        state = _FSDPStats(fsdp_hook.register(model, method.compressor, error_feedback=method.error_feedback,
+                                              seed=cfg.seed, min_numel=method.options.get("min_numel", 0)))
+    else:
+        # own BatchNorm statistics per rank: buffer broadcasts would be traffic the hook does not count
+        ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        state = gradwire.hooks.ddp.register(ddp, method.compressor, strategy=method.strategy,
+                                            error_feedback=method.error_feedback, seed=cfg.seed, **method.options)
     opt = make_optimizer(task, ddp, cfg.lr)
     # cosine decay to zero over the run: final accuracies settle instead of riding the noise of a constant lr
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
@@ -116,7 +149,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         return step * cfg.batch * world / len(ds.x)
 
     def log_eval(step: int) -> dict[str, float]:
-        metrics = evaluate(model, task, ds) if rank == 0 else {}
+        # FSDP's forward all-gathers parameters: every rank evaluates, rank 0 records
+        metrics = evaluate(model, task, ds) if rank == 0 or cfg.engine == "fsdp" else {}
         log({"type": "eval", "step": step, "epoch": epochs(step), "wall_s": wall,
              "cum_bytes_sent": totals["bytes_sent"], **metrics})
         return metrics
@@ -149,7 +183,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
             raise FloatingPointError(f"rank {rank}: loss became {float(loss)} at step {step}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics = log_eval(step)
-    compute_ref = reference_compute(model, task, ds, loader)
+    compute_ref = reference_compute(bare if cfg.engine == "fsdp" else model, task, ds, loader)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, totals)
     if records is not None:
@@ -157,7 +191,10 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
     if rank != 0:
         return None
     steady = step_times[len(step_times) // 5:] or [0.0]  # skip warm-up (first 20%)
-    summary = {"run_id": cfg.run_id, "config": cfg.to_dict(), "method": vars(cfg.resolved()),
+    method_record = vars(cfg.resolved())
+    if cfg.engine == "fsdp":  # the FSDP hook has one exchange: torch's reduce-scatter for dense, else alltoall
+        method_record = dict(method_record, strategy="reduce_scatter" if method.compressor == "none" else "alltoall")
+    summary = {"run_id": cfg.run_id, "config": cfg.to_dict(), "method": method_record,
                "params": params, "data": digest(ds), "final": metrics,
                "bytes_sent_per_rank": [r["bytes_sent"] for r in per_rank],
                "bytes_received_per_rank": [r["bytes_received"] for r in per_rank],

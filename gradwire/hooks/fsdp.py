@@ -1,0 +1,325 @@
+"""FSDP2 (`fully_shard`) hook: compressed gradient reduce-scatter, or compressed cross-replica
+all-reduce for hybrid sharding.
+
+    state = gradwire.hooks.fsdp.register(model, "int8")            # FSDP: compressed reduce-scatter
+    state = gradwire.hooks.fsdp.register(model, "powersgd",        # HSDP: shard inside a node with
+        strategy="powersgd", replicate_group=mesh["replicate"].get_group())  # fully_shard(mesh=mesh["shard"])
+
+FSDP: a custom reduce-scatter goes on every FSDP module that owns parameters (FSDP2 calls the
+one of each parameter group). Each rank compresses the destination chunks of its gradient per
+parameter shard, one all-to-all moves them, each rank decodes and sums its pieces in fp32 in
+rank order (`gradwire.comm.reduce_scatter`). `"none"` calls torch's own reduce-scatter, so it is
+FSDP2's default bit for bit.
+
+HSDP (`replicate_group=`, with `fully_shard` on the "shard" dimension of a 2-D mesh): the
+reduce-scatter inside a node stays FSDP's dense one; the all-reduce hook averages each shard over
+the replicas with a gradwire strategy (summable compressors by allreduce, others by allgather of
+packets, `strategy="powersgd"` by PowerSGD, each parameter shard its own matrix). Every
+strategy decodes or sums identically on every replica, so replicas stay bit-identical.
+
+Error feedback is on where the compressor's `feedback_helps` says so (`error_feedback="auto"`).
+State (residuals, PowerSGD memories, step counts) is per parameter shard and per destination,
+in `state_dict()`; with `torch.distributed.checkpoint` save `state.dcp()` next to the model and
+optimizer (see docs/fsdp.md). At the first call the ranks compare a fingerprint of their configs
+and all raise ConfigMismatchError if they differ.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError as exc:  # pragma: no cover - torch before FSDP2's public API
+    raise ImportError(f"gradwire.hooks.fsdp needs FSDP2 (torch.distributed.fsdp.FSDPModule); torch "
+                      f"{torch.__version__} has none") from exc
+
+from ..comm.registry import make_strategy
+from ..comm.reduce_scatter import AlltoallReduceScatter, dense_reduce_scatter
+from ..comm.strategies import ExchangeStats, Segment, Strategy
+from ..comm.torch_dist import TorchDistBackend
+from ..compress import Ctx, compressor as make_compressor, resolve_error_feedback
+from ..errors import ConfigMismatchError
+
+try:  # the interface FSDP2 expects; private in torch 2.13
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - other torch versions
+    _ReduceScatterBase = object  # type: ignore[misc,assignment]
+
+
+_UNUSED = ("a parameter got no gradient this step, so FSDP left it out and the per-parameter layout (error "
+           "feedback, keys) no longer fits; call model.set_reduce_scatter_unused_params(True) to send zeros for it")
+
+
+@dataclass
+class _Unit:
+    """One FSDP parameter group: its parameters' names and padded shard shapes, in FSDP's order."""
+
+    name: str
+    keys: list[str]
+    shapes: list[torch.Size]
+    shard_group: dist.ProcessGroup
+    calls: int = 0
+    segments: list[Segment] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        offset = 0
+        for key, shape in zip(self.keys, self.shapes):
+            n = shape.numel()
+            self.segments.append(Segment(key, offset, n))
+            offset += n
+        self.numel = offset
+
+
+class FSDPGradwireState:
+    """Config, strategies and per-shard state of the FSDP hook."""
+
+    def __init__(self, compressor: str = "int8", strategy: str | None = None, error_feedback: bool | str = "auto",
+                 seed: int = 0, min_numel: int = 0, replicate_group: dist.ProcessGroup | None = None,
+                 **strategy_options: Any) -> None:
+        c = make_compressor(compressor)
+        self.compressor = str(c)
+        self.hsdp = replicate_group is not None
+        if not self.hsdp and strategy not in (None, "alltoall"):
+            why = (" PowerSGD needs an all-reduce: every rank must multiply the same summed factor, but a"
+                   " reduce-scatter sends each rank a different chunk." if strategy == "powersgd" else "")
+            raise ValueError(f"FSDP's reduce-scatter is compressed by the 'alltoall' exchange only, got "
+                             f"strategy={strategy!r}.{why} Shard inside nodes and pass replicate_group= (HSDP) "
+                             "to use it on the cross-replica all-reduce.")
+        if strategy is None:
+            strategy = "alltoall" if not self.hsdp else ("allreduce" if c.summable else "allgather")
+        if self.hsdp and strategy in ("alltoall", "auto"):
+            raise ValueError(f"strategy {strategy!r} does not apply to HSDP's cross-replica all-reduce; "
+                             "use allreduce, allgather, artopk, powersgd or dense")
+        self.strategy_name = strategy
+        if strategy == "powersgd" and error_feedback == "auto":
+            error_feedback = True  # PowerSGD's own error feedback, on by default as in torch's hook
+        self.error_feedback = resolve_error_feedback(error_feedback, c)
+        self.seed = int(seed)
+        self.min_numel = int(min_numel)
+        self.strategy_options = dict(strategy_options)
+        if strategy_options and strategy not in ("powersgd", "allgather"):
+            raise ValueError(f"strategy {strategy!r} takes no options, got {sorted(strategy_options)}")
+        self.replicate_group = replicate_group
+        self.units: dict[str, _Unit] = {}
+        self.stats = ExchangeStats()
+        self._strategy: Strategy | None = None
+        self._shard_group: dist.ProcessGroup | None = None
+        self._pending: dict[str, Any] | None = None
+        self._checked = False
+        if self.hsdp:  # built now: make_strategy validates the options at once
+            self._strategy = self._make_hsdp_strategy()
+
+    # ---- identity ------------------------------------------------------------------
+    def layout_checksum(self) -> int:
+        desc = ";".join(f"{u.name}:{list(zip(u.keys, map(tuple, u.shapes)))}" for u in self.units.values())
+        return zlib.crc32(desc.encode())
+
+    def describe(self) -> str:
+        return (f"compressor={self.compressor!r} strategy={self.strategy_name!r} error_feedback={self.error_feedback} "
+                f"seed={self.seed} min_numel={self.min_numel} options={self.strategy_options} hsdp={self.hsdp} "
+                f"layout={self.layout_checksum():#010x}")
+
+    def fingerprint(self) -> int:
+        return zlib.crc32(self.describe().encode())
+
+    # ---- strategies ----------------------------------------------------------------
+    def _make_hsdp_strategy(self) -> Strategy:
+        options = dict(self.strategy_options)
+        if self.strategy_name == "powersgd":
+            options.setdefault("seed", self.seed)
+        elif self.strategy_name == "allgather":
+            options.setdefault("min_numel", self.min_numel)
+        return make_strategy(self.strategy_name, TorchDistBackend(self.replicate_group), self.compressor,
+                             error_feedback=self.error_feedback, **options)
+
+    def _reduce_scatter_strategy(self, group: dist.ProcessGroup) -> Strategy:
+        if self._strategy is None:
+            self._shard_group = group
+            self._strategy = AlltoallReduceScatter(TorchDistBackend(group), self.compressor,
+                                                   self.error_feedback, self.min_numel)
+            if self._pending is not None:
+                self._strategy.load_state_dict(self._pending)
+                self._pending = None
+        elif group is not self._shard_group:
+            raise ValueError("gradwire's FSDP hook serves one shard group; this model reduce-scatters over several")
+        return self._strategy
+
+    def _check_config(self, shard_group: dist.ProcessGroup) -> None:
+        """Every rank learns every rank's fingerprint: over the shard group, then (HSDP) what each
+        shard group saw over the replicate group, which reaches the whole 2-D mesh."""
+        prints = TorchDistBackend(shard_group).allgather_object([(dist.get_rank(), self.fingerprint(), self.describe())])
+        prints = [p for part in prints for p in part]
+        if self.hsdp:
+            prints = [p for part in TorchDistBackend(self.replicate_group).allgather_object(prints) for p in part]
+        if len({fp for _, fp, _ in prints}) > 1:
+            lines = "\n".join(f"  rank {r}: {d}" for r, _, d in sorted(set(prints)))
+            raise ConfigMismatchError(f"gradwire FSDP hook configs differ across ranks:\n{lines}")
+        self._checked = True
+
+    # ---- the two entry points --------------------------------------------------------
+    def reduce_scatter(self, unit: _Unit, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup,
+                       op: Any) -> None:
+        """FSDP's reduce-scatter of one parameter group, compressed."""
+        if not self._checked:
+            self._check_config(group)
+        if op == dist.ReduceOp.AVG:
+            average = True
+        elif op == dist.ReduceOp.SUM:
+            average = False
+        else:
+            raise ValueError(f"gradwire's FSDP reduce-scatter supports ReduceOp AVG and SUM, got {op}; "
+                             "a custom gradient divide factor (PREMUL_SUM) is not supported")
+        world = group.size()
+        if x.numel() != world * unit.numel:
+            raise ValueError(f"FSDP group {unit.name!r} reduce-scatters {x.numel()} elements, but its trainable "
+                             f"parameters need {world} x {unit.numel}: {_UNUSED}")
+        step = unit.calls
+        unit.calls += 1
+        if self.compressor == "none":
+            t0 = time.perf_counter()
+            dense_reduce_scatter(out, x, group, op)
+            nbytes = (world - 1) * unit.numel * x.element_size()  # a ring reduce-scatter's share
+            self.stats = self.stats.merge(ExchangeStats(nbytes, nbytes, nbytes, exchange_s=time.perf_counter() - t0,
+                                                        buckets={unit.name: "dense"}))
+            return
+        strategy = self._reduce_scatter_strategy(group)
+        ctx = Ctx(seed=self.seed, step=step, rank=strategy.backend.rank)
+        result = strategy.reduce_scatter(x, unit.segments, ctx, average=average).wait()  # type: ignore[attr-defined]
+        out.copy_(result)
+        self.stats = self.stats.merge(strategy.take_stats())
+
+    def all_reduce(self, unit: _Unit, shard: torch.Tensor) -> None:
+        """HSDP: average the reduce-scattered shard over the replicas, in place."""
+        if not self._checked:
+            self._check_config(unit.shard_group)
+        if shard.numel() != unit.numel:
+            raise ValueError(f"FSDP group {unit.name!r} hands over a shard of {shard.numel()} elements, but its "
+                             f"trainable parameters need {unit.numel}: {_UNUSED}")
+        assert self._strategy is not None
+        step = unit.calls
+        unit.calls += 1
+        ctx = Ctx(seed=self.seed, step=step, rank=self._strategy.backend.rank, key=unit.name)
+        result = self._strategy.exchange(shard, unit.name, ctx, average=True, shapes=unit.shapes,
+                                         keys=unit.keys).wait()
+        shard.copy_(result)
+        self.stats = self.stats.merge(self._strategy.take_stats())
+
+    def take_stats(self) -> ExchangeStats:
+        """Totals since the last call (bytes, seconds), over every FSDP group."""
+        stats, self.stats = self.stats, ExchangeStats()
+        return stats
+
+    # ---- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        strategy = self._strategy.state_dict() if self._strategy is not None else self._pending
+        return {"fingerprint": self.fingerprint(), "rank": dist.get_rank(), "describe": self.describe(),
+                "calls": {n: u.calls for n, u in self.units.items()}, "strategy": strategy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["fingerprint"] != self.fingerprint():
+            raise ValueError(f"checkpoint was saved with {state['describe']}, this hook has {self.describe()}")
+        if state["rank"] != dist.get_rank():
+            raise ValueError(f"this state belongs to rank {state['rank']}, not {dist.get_rank()}")
+        for name, calls in state["calls"].items():
+            self.units[name].calls = int(calls)
+        if state["strategy"] is not None:
+            if self._strategy is not None:
+                self._strategy.load_state_dict(state["strategy"])
+            else:
+                self._pending = state["strategy"]
+
+    def dcp(self) -> "DCPState":
+        """A `torch.distributed.checkpoint` Stateful holding this rank's state under its own key."""
+        return DCPState(self)
+
+
+class DCPState:
+    """This rank's hook state as one opaque item keyed by rank, so `torch.distributed.checkpoint`
+    neither deduplicates it across ranks (it is per rank) nor needs tensors of known shape to load into."""
+
+    def __init__(self, state: FSDPGradwireState) -> None:
+        self.state = state
+
+    @property
+    def key(self) -> str:
+        return f"rank{dist.get_rank()}"
+
+    def state_dict(self) -> dict[str, Any]:
+        buf = io.BytesIO()
+        torch.save(self.state.state_dict(), buf)
+        return {self.key: buf.getvalue()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        blob = sd[self.key]
+        if not blob:
+            raise ValueError(f"the checkpoint holds no gradwire state for {self.key}")
+        self.state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
+
+
+class _CompressedReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
+    """What `FSDPModule.set_custom_reduce_scatter` takes, serving one parameter group."""
+
+    def __init__(self, state: FSDPGradwireState, unit: _Unit) -> None:
+        self.state = state
+        self.unit = unit
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> None:
+        self.state.reduce_scatter(self.unit, output_tensor, input_tensor, group, op)
+        return None
+
+
+def _units(model: torch.nn.Module) -> list[tuple[FSDPModule, Any, _Unit]]:
+    """Every FSDP module that owns parameters, its parameter group and that group's unit."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(f"FSDP module {fqn!r} has several parameter groups (shard_placement_fn with "
+                             "several meshes); gradwire needs one per module")
+        for group in groups:
+            params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+            if not params:
+                continue
+            keys = [names[id(fp.sharded_param)] for fp in params]
+            shapes = [torch.Size(fp.padded_sharded_param_size) for fp in params]
+            out.append((module, group, _Unit(fqn or "<root>", keys, shapes, group.mesh_info.shard_process_group)))
+    if not out:
+        raise ValueError("the model has no FSDP2 module with trainable parameters: apply fully_shard first")
+    return out
+
+
+def register(model: torch.nn.Module, compressor: str = "int8", *, state: FSDPGradwireState | None = None,
+             **options: Any) -> FSDPGradwireState:
+    """Put gradwire on an FSDP2 model (after `fully_shard`): a compressed reduce-scatter on every
+    FSDP module that owns parameters, or with `replicate_group=` a compressed cross-replica
+    all-reduce. Every trainable parameter must get a gradient each step (else a clear error says to
+    call `model.set_reduce_scatter_unused_params(True)`), so every step has the same layout."""
+    if state is None:
+        state = FSDPGradwireState(compressor, **options)
+    elif options:
+        raise ValueError("pass either an existing state or options for a new one, not both")
+    for module, group, unit in _units(model):
+        state.units[unit.name] = unit
+        if state.hsdp:
+            if group._is_hsdp:
+                raise ValueError("replicate_group= is for fully_shard on the shard dimension only; FSDP's native "
+                                 "HSDP (a 2-D mesh given to fully_shard) all-reduces densely before the hook runs")
+            module.set_all_reduce_hook(lambda shard, u=unit: state.all_reduce(u, shard))
+        else:
+            module.set_custom_reduce_scatter(_CompressedReduceScatter(state, unit))
+    return state
