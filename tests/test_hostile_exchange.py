@@ -49,6 +49,8 @@ class Forging(Backend):
         return self.inner.broadcast(t, src)
 
     def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+        if self.forge is not None:  # only rank 0's chunk: the other ranks receive good bytes
+            chunks = [self.forge(c) if j == 0 else c for j, c in enumerate(chunks)]
         return self.inner.alltoall(chunks, recv_counts)
 
     def allgather_object(self, obj: Any) -> list[Any]:
@@ -113,6 +115,17 @@ def _scenarios(rank: int, world: int) -> dict[str, str]:
         return sparse_allgather(Forging(real, forge), torch.tensor([rank]), torch.tensor([1.0]), 200).wait()
     out["sparse numel"] = _outcome(sparse)
 
+    # all-to-all reduce-scatter: rank 1 sends rank 0 alone a bad packet; the others decode good
+    # bytes, and still raise with rank 0
+    from gradwire.comm.reduce_scatter import AlltoallReduceScatter
+    from gradwire.comm.strategies import Segment
+
+    rs = AlltoallReduceScatter(Forging(real, _one_element_packet("topk:k=1") if bad else None), "topk:k=1",
+                               error_feedback=False)
+    xs = torch.randn(world * 200, generator=torch.Generator().manual_seed(rank))
+    out["reduce-scatter to one rank"] = _outcome(lambda: rs.reduce_scatter(xs, [Segment("w", 0, 200)],
+                                                                            Ctx(rank=rank)).wait())
+
     # every rank is still in step: one more collective completes everywhere
     total = torch.ones(1)
     real.allreduce(total).wait()
@@ -132,7 +145,7 @@ def test_every_rank_raises_wire_format_error_when_one_sends_bad_bytes():
         assert out.pop("in step") == "True"
         assert out == {name: "WireFormatError" for name in out}, f"rank {rank}: {out}"
     assert set(results[0]) == {"topk wrong shape", "zstd chain wrong shape", "own encoder wrong shape",
-                               "flag bits", "artopk bad index", "sparse numel"}
+                               "flag bits", "artopk bad index", "sparse numel", "reduce-scatter to one rank"}
 
 
 def _ddp(rank: int, world: int) -> str:
