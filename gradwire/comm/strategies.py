@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..compress import Compressor, Ctx, ErrorFeedback, compressor as make_compressor
+from ..errors import WireFormatError
 from .backend import Backend, Work
 
 
@@ -257,6 +258,7 @@ class Allgather(Strategy):
             self.stats.buckets[str(key)] = "dense"
             return self._timed_allreduce(t)
         packets, mine = [], []
+        failed: WireFormatError | None = None
         for seg, c in zip(segs, codecs):
             part = seg.of(x)
             if c is self.raw:
@@ -265,7 +267,10 @@ class Allgather(Strategy):
                 continue
             corrected = self._correct(part, seg.key)
             packet = c.encode(corrected, segment_ctx(ctx, seg)).tensor()
-            sent = c.decode(packet)
+            try:
+                sent = c.decode(packet, shape=part.shape, dtype=part.dtype)
+            except WireFormatError as e:  # every peer rejects this packet too: raise with them, after the exchange
+                failed, sent = failed or e, part
             mine.append(sent)
             self._remember(seg.key, corrected, sent)
             packets.append(packet)
@@ -281,10 +286,17 @@ class Allgather(Strategy):
             t2 = time.perf_counter()
             self.stats.exchange_s += t2 - t1
             self._count(key, x, message.numel(), sum(m.numel() for m in messages) - message.numel())
+            if failed is not None:
+                raise failed
             total = torch.zeros_like(x)
             for r, m in enumerate(messages):  # rank order: bit-identical sums on every rank
-                for seg, c, own, packet in zip(segs, codecs, mine, split_message(m, len(segs))):
-                    seg.of(total).add_(own if r == rank else c.decode(packet))
+                # Every rank checks every message, its own included, against its own segments, so
+                # a bad packet makes all ranks raise WireFormatError here, none hangs or goes on.
+                parts = split_message(m, len(segs))
+                if r == rank and not torch.equal(m, message):
+                    raise WireFormatError(f"rank {rank}'s own message came back altered from the allgather")
+                for seg, c, own, packet in zip(segs, codecs, mine, parts):
+                    seg.of(total).add_(own if r == rank else c.decode(packet, shape=(seg.numel,), dtype=x.dtype))
             if average:
                 total.div_(world)
             self.stats.decode_s += time.perf_counter() - t2
@@ -295,8 +307,6 @@ class Allgather(Strategy):
 
 def split_message(message: torch.Tensor, count: int) -> list[torch.Tensor]:
     """The packets of one allgather message; a malformed table raises WireFormatError."""
-    from ..errors import WireFormatError
-
     if message.numel() < 8 * count:
         raise WireFormatError(f"message of {message.numel()} bytes is shorter than its {count}-entry length table")
     lengths = message[: 8 * count].clone().view(torch.int64).tolist()
@@ -319,6 +329,26 @@ def packet_indices(packet, numel: int) -> torch.Tensor:
         return packet.section(Kind.INDICES).to(torch.int64)
     count = packet.section(Kind.VALUES).numel()
     return indexcodec.decode(packet.section(Kind.INDICES_PACKED), count, numel).to(torch.int64)
+
+
+def check_leader_indices(idx: torch.Tensor, segs: list[Segment], counts: list[int]) -> None:
+    """The leader's broadcast indices: counts[i] strictly ascending ones inside segment i each.
+
+    Every rank (the leader too) runs this on the same bytes after the broadcast, so a bad
+    index makes every rank raise WireFormatError before the allreduce: none hangs in it."""
+    if idx.dtype != torch.int64 or idx.numel() != sum(counts):
+        raise WireFormatError(f"artopk: {idx.numel()} {idx.dtype} indices, expected {sum(counts)} int64")
+    if not idx.numel():
+        return
+    dev = idx.device
+    reps = torch.tensor(counts, device=dev)
+    lo = torch.repeat_interleave(torch.tensor([s.offset for s in segs], device=dev), reps)
+    hi = lo + torch.repeat_interleave(torch.tensor([s.numel for s in segs], device=dev), reps)
+    ok = (idx >= lo).logical_and_(idx < hi).all()
+    if idx.numel() > 1:
+        ok = ok.logical_and_((idx[1:] > idx[:-1]).all())
+    if not bool(ok):
+        raise WireFormatError("artopk: the leader's indices are out of their segments or not strictly ascending")
 
 
 class ARTopK(Strategy):
@@ -347,6 +377,7 @@ class ARTopK(Strategy):
         else:
             idx = torch.empty(sum(counts), dtype=torch.int64, device=x.device)
         self.backend.broadcast(idx, leader).wait()
+        check_leader_indices(idx, segs, counts)
         flat = torch.cat(corrected) if len(corrected) > 1 else corrected[0]
         values = torch.cat([flat[idx], flat.sum().reshape(1)])
         if self.feedback is not None:

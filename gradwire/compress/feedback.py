@@ -40,7 +40,7 @@ class ErrorFeedback:
         """Compress x plus the stored residual; return the packet and what it decodes to."""
         corrected = self.correct(x, key)
         packet = self.compressor.encode(corrected, ctx)
-        sent = self.compressor.decode(packet)
+        sent = self.compressor.decode(packet, shape=corrected.shape)
         self.update(key, corrected, sent)
         return packet, sent
 
@@ -109,7 +109,7 @@ class DGCMomentum:
         u = u_old * self.momentum + grad
         v = v_old + (u * self.momentum + grad if self.nesterov else u)
         packet = self.compressor.encode(v, ctx)
-        sent = self.compressor.decode(packet)
+        sent = self.compressor.decode(packet, shape=v.shape)
         keep = sent == 0  # momentum-factor masking: clear u where a value went out
         v.sub_(sent)
         u.mul_(keep)
