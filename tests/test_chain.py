@@ -6,11 +6,13 @@ import json
 
 import pytest
 import torch
+import zstandard
 
 import gradwire
 from gradwire import Ctx, WireFormatError
 from gradwire.compress import wire
 from gradwire.compress.chain import Chain
+from gradwire.compress.lossless import frame_content
 from gradwire.compress.wire import FLOAT_DTYPES, Kind
 
 from conftest import bits, randn
@@ -204,6 +206,54 @@ def test_nested_count_is_checked_before_the_value_stage_decodes(spec, count, mon
     with pytest.raises(WireFormatError, match="nested"):
         chain.decode(forged.tensor())
     assert calls == [], "the nested packet was decoded before its count was checked"
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1+fp16", "threshold:threshold=0.5+int8", "randomk:ratio=0.1+fp16"])
+def test_outer_packet_is_checked_before_the_value_stage_decodes(spec, monkeypatch):
+    """An out-of-range outer index, unknown flags or a wrong shape fail before the nested stage runs."""
+    chain = gradwire.compressor(spec)
+    packet = chain.encode(randn(100, seed=8), CTX)
+    sections = list(packet.sections)
+    idx = sections[0].data.clone()
+    idx[-1] = 100
+    bad_index = wire.Packet(packet.codec, packet.dtype, packet.shape, [wire.Section(sections[0].kind, idx)] +
+                            sections[1:], packet.config)
+    flagged = wire.Packet(packet.codec, packet.dtype, packet.shape, sections, packet.config, flags=0x40)
+    calls = []
+    monkeypatch.setattr(type(chain.value_stage), "_decode", lambda self, pk: calls.append(pk.numel))
+    for bad, message in ((bad_index, "INDICES"), (flagged, "flag bits")):
+        with pytest.raises(WireFormatError, match=message):
+            chain.decode(bad.tensor())
+    with pytest.raises(WireFormatError, match="receiver expects"):
+        chain.decode(packet.tensor(), shape=(10, 10))
+    assert calls == [], "the nested packet was decoded before the outer one was checked"
+
+
+@pytest.mark.parametrize("spec, exact", [("topk:k=5,indices=raw+zstd", True), ("topk:k=5,indices=raw+fp16+zstd", True),
+                                         ("threshold:threshold=0.5+zstd", False), ("topk:k=5+int8+zstd", False),
+                                         ("fp16+zstd", True), ("int8+zstd", True)])
+def test_lossless_content_limit_is_the_largest_inner_packet(spec, exact):
+    chain = gradwire.compressor(spec)
+    for shape in ((100,), (10, 10), (3,)):
+        x = randn(shape, seed=2)
+        limit, is_exact = chain.content_limit(x.numel(), x.dtype, len(shape))
+        assert is_exact == exact
+        p = chain.encode(x, CTX)
+        inner = chain.lossless.unwrap(p)
+        content = frame_content(inner).numel()
+        assert content == limit if exact else content <= limit
+        if exact:  # one byte more declared than the stages write: rejected from the frame header
+            frame = zstandard.ZstdCompressor(write_checksum=True).compress(
+                bytes(frame_content(inner).numpy()) + b"\0")
+            forged = wire.Packet(p.codec, p.dtype, p.shape, [wire.Section(Kind.FRAME, torch.frombuffer(
+                bytearray(frame), dtype=torch.uint8))], p.config)
+            with pytest.raises(WireFormatError, match="declares"):
+                chain.decode(forged.tensor())
+    # the worst case of a data-dependent count: every element kept
+    thr = gradwire.compressor("threshold:threshold=1e-9,indices=packed+zstd")
+    x = randn(1000, seed=3)
+    content = frame_content(thr.lossless.unwrap(thr.encode(x))).numel()
+    assert content <= thr.content_limit(1000, x.dtype, 1)[0]
 
 
 SPECS = {"topk:ratio=0.01+fp16": "topk+fp16", "topk:ratio=0.05+qsgd:bits=4+zstd": None, "fp16+zstd": None,

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import launcher
+from gradwire import WireFormatError
 from gradwire.comm.sparse import check_indices, merge_dense, merge_sparse, pack, unpack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +128,23 @@ def test_merges_equal_sequential_sum_bitwise(dtype: torch.dtype) -> None:
     assert torch.equal(_bits(summed), _bits(ref[unique]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_of_many_repeats_is_one_sequential_sum(dtype: torch.dtype) -> None:
+    """A peer repeating a few indices 200,000 times: the same bits as a sequential sum."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(5)
+    parts = [(torch.randint(0, 3, (200_000,), generator=g), (torch.randn(200_000, generator=g) * 1e3).to(dtype)),
+             (torch.tensor([2, 7]), torch.ones(2, dtype=dtype))]
+    ref = np.zeros(8, dtype=np.float32)
+    for idx, val in parts:
+        np.add.at(ref, idx.numpy(), val.float().numpy())  # unbuffered: in order
+    unique, summed = merge_sparse(parts)
+    assert unique.tolist() == [0, 1, 2, 7]
+    assert torch.equal(_bits(summed), _bits(torch.from_numpy(ref)[unique].to(dtype)))
+    assert torch.equal(_bits(merge_dense(parts, 8, dtype)), _bits(torch.from_numpy(ref).to(dtype)))
+
+
 def test_merge_of_nothing() -> None:
     empty = [(torch.empty(0, dtype=torch.int64), torch.empty(0))] * 3
     assert torch.equal(merge_dense(empty, 5), torch.zeros(5))
@@ -147,14 +165,14 @@ def test_pack_unpack_round_trip_and_alignment() -> None:
 
 def test_unpack_and_range_errors_are_clear() -> None:
     buf = pack(torch.tensor([1, 2]), torch.ones(2), 10)
-    with pytest.raises(ValueError, match="numel 10, this rank 11"):
+    with pytest.raises(WireFormatError, match="numel 10, this rank 11"):
         unpack(buf, torch.float32, 11, rank=3)
-    with pytest.raises(ValueError, match="values of torch.float32, this rank torch.float16"):
+    with pytest.raises(WireFormatError, match="values of torch.float32, this rank torch.float16"):
         unpack(buf, torch.float16, 10)
-    with pytest.raises(ValueError, match="does not hold"):
+    with pytest.raises(WireFormatError, match="does not hold"):
         unpack(buf[:-8], torch.float32, 10)
     parts = [(torch.tensor([0]), torch.ones(1)), (torch.tensor([3, 10]), torch.ones(2))]
-    with pytest.raises(ValueError, match=r"rank 1 sent index 10 at position 1.*numel 10"):
+    with pytest.raises(WireFormatError, match=r"rank 1 sent index 10 at position 1.*numel 10"):
         check_indices(parts, 10)
     with pytest.raises(ValueError, match="equal length"):
         pack(torch.tensor([1, 2]), torch.ones(3), 10)

@@ -184,10 +184,19 @@ def test_out_numel_mismatch(spec):
 
 
 def test_max_decode_numel_guard(monkeypatch):
-    assert wire.MAX_DECODE_NUMEL == 1 << 32
+    assert wire.MAX_DECODE_NUMEL == 1 << 28
     huge = Packet(1, torch.float32, (1 << 33,), [Section(Kind.DATA, torch.empty(0))], NONE.crc).tensor()
     with pytest.raises(WireFormatError, match="exceeds the decode limit"):
         NONE.decode(huge)
+    above = Packet(6, torch.float32, ((1 << 28) + 1,), [Section(Kind.INDICES, torch.zeros(1, dtype=torch.int32)),
+                                                       Section(Kind.VALUES, torch.ones(1))],
+                   gradwire.compressor("topk:k=1").crc).tensor()
+    topk = gradwire.compressor("topk:k=1")
+    with pytest.raises(WireFormatError, match="exceeds the decode limit"):
+        topk.decode(above)  # would allocate 1 GiB
+    with pytest.raises(WireFormatError, match="exceeds the decode limit 1000"):
+        topk.decode(topk.encode(randn(1001)), max_numel=1000)
+    assert topk.decode(topk.encode(randn(1001)), max_numel=1001).shape == (1001,)
     x = randn(11)
     monkeypatch.setattr(wire, "MAX_DECODE_NUMEL", 10)
     for spec in ("none", "fp16", "zstd"):
@@ -198,6 +207,44 @@ def test_max_decode_numel_guard(monkeypatch):
         out = torch.empty(11)
         assert torch.equal(c.decode(p, out=out), x.half().float() if spec == "fp16" else x)
         assert c.decode(c.encode(randn(10)).tensor()).shape == (10,)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "zstd", "topk:ratio=0.2", "topk:ratio=0.2+int8+zstd"])
+def test_decode_checks_what_the_receiver_expects(spec):
+    c = gradwire.compressor(spec)
+    x = randn((4, 5))
+    p = c.encode(x).tensor()
+    assert c.decode(p, shape=(4, 5), dtype=torch.float32).shape == (4, 5)
+    for shape in ((20,), (5, 4), (1,), (4, 5, 1)):
+        with pytest.raises(WireFormatError, match="receiver expects"):
+            c.decode(p, shape=shape)
+    with pytest.raises(WireFormatError, match="receiver expects"):
+        c.decode(p, shape=(4, 5), dtype=torch.float16)
+    # out must match in numel and dtype: no silent cast into int32 or bool
+    for out in (torch.zeros(4, 5, dtype=torch.int32), torch.zeros(20, dtype=torch.bool), torch.zeros(20).half()):
+        sentinel = out.clone()
+        with pytest.raises(WireFormatError, match="out is"):
+            c.decode(p, out=out)
+        assert torch.equal(out, sentinel)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "int8", "topk:ratio=0.2", "topk:ratio=0.2+fp16"])
+def test_unknown_flag_bits_are_rejected(spec):
+    c = gradwire.compressor(spec)
+    p = c.encode(randn(30)).tensor().clone()
+    for flags in (0x01, 0x80, 0xFF):
+        p[7] = flags
+        with pytest.raises(WireFormatError, match="flag bits"):
+            c.decode(p)
+
+
+def test_shapes_with_a_zero_dim_beside_huge_ones_are_rejected():
+    for shape in ((0, 1 << 63), (1 << 63, 0), (0, 1 << 62, 2), (0, (1 << 64) - 1)):
+        p = Packet(1, torch.float32, shape, [Section(Kind.DATA, torch.empty(0))], NONE.crc).tensor()
+        with pytest.raises(WireFormatError, match="non-zero dims"):
+            NONE.decode(p)
+    ok = Packet(1, torch.float32, (0, (1 << 63) - 1), [Section(Kind.DATA, torch.empty(0))], NONE.crc).tensor()
+    assert NONE.decode(ok).shape == (0, (1 << 63) - 1)
 
 
 @pytest.mark.parametrize("offset", [1, 2, 3, 4, 5, 7, 8, 13])

@@ -37,7 +37,7 @@ from typing import Any, Iterable
 import torch
 
 from ..compress import Compressor, Ctx, compressor as make_compressor, resolve_error_feedback
-from ..errors import ConfigMismatchError
+from ..errors import ConfigMismatchError, WireFormatError
 from .backend import Backend, Work
 from .strategies import ExchangeStats, Strategy
 
@@ -217,9 +217,21 @@ class GradientExchanger:
             works.append((members, work))
 
         def finish() -> dict[str, Any]:
+            # Wait for every bucket before writing any: a peer's bad packet in one bucket
+            # (WireFormatError, raised on every rank) leaves all gradients as they were and
+            # no collective unfinished.
+            results, error = [], None
+            for members, work in works:
+                try:
+                    results.append((members, work.wait()))
+                except WireFormatError as e:
+                    error = error or e
+            if error is not None:
+                self.strategy.take_stats()  # this step's record ends here
+                raise error
             with torch.no_grad():
-                for members, work in works:
-                    out = work.wait().reshape(-1)
+                for members, result in results:
+                    out = result.reshape(-1)
                     offset = 0
                     for i in members:
                         n = grads[i].numel()

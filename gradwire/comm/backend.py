@@ -116,6 +116,11 @@ class Backend(ABC):
     def allgather_object(self, obj: Any) -> list[Any]:
         """Small picklable objects from every rank (blocking; for setup and checks)."""
 
+    def split(self, color: int, key: int) -> "Backend":
+        """A backend over the ranks passing the same `color`, ordered by `key` (then rank); every
+        rank of this backend must call it (MPI_Comm_split's contract)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot split into sub-groups")
+
     def _check_chunks(self, chunks: list[torch.Tensor]) -> torch.dtype:
         """The common dtype of an alltoall's chunks (one per rank)."""
         if len(chunks) != self.world_size:

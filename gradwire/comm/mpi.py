@@ -239,5 +239,8 @@ class MPIBackend(Backend):
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.comm.allgather(obj)
 
+    def split(self, color: int, key: int) -> "MPIBackend":
+        return MPIBackend(self.comm.Split(int(color), int(key)), cuda_aware=self.cuda_aware)
+
     def barrier(self) -> None:
         self.comm.Barrier()

@@ -8,7 +8,10 @@ packets into one message (an int64 length per segment, then the packets) and one
 moves the messages. Each rank decodes the ``world`` messages it received and sums them in fp32
 in rank order (ZeRO++'s qgZ shape: low-precision wire, full-precision accumulation), so the
 result does not depend on arrival order. Message sizes are exchanged first unless every packet
-size is static (quantizers, casts, top-k with raw indices), then each rank knows them.
+size is static (quantizers, casts, top-k with raw indices), then each rank knows them. Each
+piece is decoded with its segment's shape and dtype; since each rank reads different bytes,
+the ranks then agree on success with one 4-byte allreduce, so a malformed packet sent to one
+rank makes every rank raise `WireFormatError`.
 
 Segments not worth compressing (fewer than `min_numel` elements, or a packet not smaller than
 dense) travel raw. `dense_reduce_scatter` is the uncompressed collective itself.
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..compress import Compressor, Ctx, compressor as make_compressor
+from ..errors import WireFormatError
 from .backend import Backend, Work
 from .strategies import Segment, Strategy, split_message
 
@@ -60,6 +64,7 @@ class AlltoallReduceScatter(Strategy):
         codecs = [self._codec(seg, x.dtype) for seg in segments]
         messages: list[torch.Tensor] = []
         own: list[torch.Tensor] = []  # what this rank's own piece decodes to
+        failed: WireFormatError | None = None
         for j in range(world):
             packets = []
             for seg, c in zip(segments, codecs):
@@ -73,7 +78,10 @@ class AlltoallReduceScatter(Strategy):
                 corrected = self._correct(part, key)
                 packet = c.encode(corrected, replace(ctx, key=Ctx.key_of(key))).tensor()
                 if self.feedback is not None or j == rank:
-                    sent = c.decode(packet)
+                    try:
+                        sent = c.decode(packet, shape=part.shape, dtype=part.dtype)
+                    except WireFormatError as e:  # raised after the exchange, with the other ranks
+                        failed, sent = failed or e, part
                     if j == rank:
                         own.append(sent)
                     self._remember(key, corrected, sent)
@@ -92,17 +100,35 @@ class AlltoallReduceScatter(Strategy):
             self.stats.bytes_sent += sent_bytes
             self.stats.bytes_received += sum(m.numel() for r, m in enumerate(received) if r != rank)
             self.stats.dense_bytes += (world - 1) * chunk * x.element_size()  # a ring reduce-scatter's share
+            if failed is not None:
+                raise failed
             total = torch.zeros(chunk, dtype=torch.float32, device=x.device)
             for r, m in enumerate(received):  # rank order: the same sum on every rank
-                pieces = own if r == rank else [c.decode(p) for c, p in zip(codecs, split_message(m, len(segments)))]
+                pieces = own if r == rank else [c.decode(p, shape=(seg.numel,), dtype=x.dtype) for seg, c, p in
+                                                zip(segments, codecs, split_message(m, len(segments)))]
                 for seg, piece in zip(segments, pieces):
-                    if piece.numel() != seg.numel:
-                        raise ValueError(f"rank {r} sent {piece.numel()} elements for {seg.key!r}, "
-                                         f"expected {seg.numel}")
                     seg.of(total).add_(piece.reshape(-1))
             if average:
                 total.div_(world)
             self.stats.decode_s += time.perf_counter() - t2
             return total
 
-        return self.backend.alltoall(messages, recv).then(finish)
+        decoded = self.backend.alltoall(messages, recv).then(finish)
+        return Work(wait=lambda: _agreed(self.backend, decoded, x.device))
+
+
+def _agreed(backend: Backend, decoded: Work[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The decoded chunk once every rank has decoded its own: unlike an allgather, each rank
+    reads different bytes here, so one tiny allreduce of an error flag makes a bad packet sent
+    to one rank raise WireFormatError on every rank (none goes on to the next collective alone)."""
+    try:
+        result, error = decoded.wait(), None
+    except WireFormatError as e:
+        result, error = None, e
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    backend.allreduce(flag).wait()
+    if error is not None:
+        raise error
+    if int(flag.item()):
+        raise WireFormatError(f"{int(flag.item())} rank(s) of this reduce-scatter received a malformed packet")
+    return result  # type: ignore[return-value]

@@ -25,6 +25,12 @@ def _auto(backend: Backend, c: Compressor, error_feedback: bool, **options: Any)
     return Auto(backend, c, error_feedback, **options)
 
 
+def _hierarchical(backend: Backend, c: Compressor, error_feedback: bool, **options: Any) -> Strategy:
+    from .hierarchical import Hierarchical
+
+    return Hierarchical(backend, c, error_feedback, **options)
+
+
 def _oktopk(backend: Backend, c: Compressor, error_feedback: bool, **options: Any) -> Strategy:
     from .oktopk import OkTopK
 
@@ -38,6 +44,7 @@ _STRATEGIES: dict[str, tuple[Callable[..., Strategy], frozenset[str] | None]] = 
     "allgather": (lambda b, c, ef, **o: Allgather(b, c, ef, **o), frozenset({"min_numel"})),
     "artopk": (lambda b, c, ef: ARTopK(b, c, ef), frozenset()),
     "oktopk": (_oktopk, frozenset({"boundary_every", "threshold_every", "min_numel"})),
+    "hierarchical": (_hierarchical, None),  # inner=..., ranks_per_node=..., then the inner strategy's options
     "powersgd": (_powersgd, None),
     "dense": (lambda b, c, ef: DenseAllreduce(b), frozenset()),
 }

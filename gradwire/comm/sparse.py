@@ -9,13 +9,15 @@ Each rank's pairs travel as one byte buffer, so one allgatherv moves them::
 
 A rank may send k = 0 pairs, or every index. Every rank checks every part (length, numel and
 dtype agreement, indices in ``[0, numel)``) after the exchange, so bad input makes every rank
-raise the same ValueError instead of one rank raising and the others hanging.
+raise the same WireFormatError (a ValueError) instead of one rank raising and the others hanging.
 
 Sums are deterministic and identical on every rank: the value at an index is accumulated
 left to right, starting from +0, over its pairs in (rank, position) order, in float32 for
 float16/bfloat16 values (float64 stays float64), then rounded once to the values' dtype.
-`merge_dense` and `merge_sparse` agree bit for bit. On CUDA no atomics decide an order:
-pairs are grouped by index and summed in passes whose indices are unique.
+`merge_dense` and `merge_sparse` agree bit for bit. On the CPU a stable sort and one
+`index_add_` (sequential) do it; on CUDA no atomics decide an order: pairs are grouped by
+index and summed in passes whose indices are unique, or on the host when an index repeats
+more than 64 times, so a peer repeating one index a million times costs one pass, not a million.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from __future__ import annotations
 import torch
 
 from ..compress.wire import CODE_DTYPES, DTYPE_CODES
+from ..errors import WireFormatError
 from .backend import Backend, Work
 
 _HEADER = 3  # int64 words: k, numel, dtype code
+_MAX_PASSES = 64  # off the CPU, more repeats of one index than this are summed on the host
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
 
@@ -72,19 +76,19 @@ def unpack(buf: torch.Tensor, dtype: torch.dtype, numel: int, rank: int = 0) -> 
     """Split rank `rank`'s buffer into (indices, values), views of buf; checks its length,
     numel and dtype against this rank's (indices are range-checked by `check_indices`)."""
     if buf.dtype != torch.uint8 or buf.dim() != 1:
-        raise ValueError("a packed sparse buffer is 1-D uint8")
+        raise WireFormatError("a packed sparse buffer is 1-D uint8")
     if buf.numel() < 8 * _HEADER or buf.numel() % 8:
-        raise ValueError(f"rank {rank}: sparse buffer of {buf.numel()} bytes is too short or not 8-aligned")
+        raise WireFormatError(f"rank {rank}: sparse buffer of {buf.numel()} bytes is too short or not 8-aligned")
     if buf.storage_offset() % 8:  # only a foreign backend could hand us this: copy to align
         buf = buf.clone()
     k, their_numel, code = (int(v) for v in buf[: 8 * _HEADER].view(torch.int64).tolist())
     if their_numel != numel:
-        raise ValueError(f"rank {rank} exchanged a sparse tensor of numel {their_numel}, this rank {numel}")
+        raise WireFormatError(f"rank {rank} exchanged a sparse tensor of numel {their_numel}, this rank {numel}")
     if CODE_DTYPES.get(code) != dtype:
-        raise ValueError(f"rank {rank} sent values of {CODE_DTYPES.get(code, f'code {code}')}, this rank {dtype}")
+        raise WireFormatError(f"rank {rank} sent values of {CODE_DTYPES.get(code, f'code {code}')}, this rank {dtype}")
     if k < 0 or buf.numel() != packed_size(k, dtype):
-        raise ValueError(f"rank {rank}: sparse buffer of {buf.numel()} bytes does not hold the "
-                         f"{k} (int64, {dtype}) pairs its header declares")
+        raise WireFormatError(f"rank {rank}: sparse buffer of {buf.numel()} bytes does not hold the "
+                              f"{k} (int64, {dtype}) pairs its header declares")
     item = torch.empty((), dtype=dtype).element_size()
     start = 8 * (_HEADER + k)
     indices = buf[8 * _HEADER: start].view(torch.int64)
@@ -93,7 +97,7 @@ def unpack(buf: torch.Tensor, dtype: torch.dtype, numel: int, rank: int = 0) -> 
 
 
 def check_indices(parts: list[tuple[torch.Tensor, torch.Tensor]], numel: int) -> None:
-    """ValueError naming the first rank and index outside [0, numel), if any (one host sync)."""
+    """WireFormatError naming the first rank and index outside [0, numel), if any (one host sync)."""
     sizes = [i.numel() for i, _ in parts]
     if not sum(sizes):
         return
@@ -106,8 +110,8 @@ def check_indices(parts: list[tuple[torch.Tensor, torch.Tensor]], numel: int) ->
     while offset >= sizes[rank]:
         offset -= sizes[rank]
         rank += 1
-    raise ValueError(f"sparse index out of range: rank {rank} sent index {int(allidx[first])} at position "
-                     f"{offset}, but the tensor has numel {numel} (valid: 0..{numel - 1})")
+    raise WireFormatError(f"sparse index out of range: rank {rank} sent index {int(allidx[first])} at position "
+                          f"{offset}, but the tensor has numel {numel} (valid: 0..{numel - 1})")
 
 
 def merge_sparse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +132,8 @@ def _merge_acc(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Te
     n = indices.numel()
     if n == 0:
         return indices, values, dtype
+    if values.device.type == "cpu":
+        return (*_merge_host(indices, values), dtype)
     order = torch.argsort(indices, stable=True)  # stable: (rank, position) order within an index
     unique, inverse, counts = torch.unique_consecutive(indices[order], return_inverse=True, return_counts=True)
     values = values[order]
@@ -135,8 +141,12 @@ def _merge_acc(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Te
     if unique.numel() == n:  # no index repeats: one pass
         summed.index_add_(0, inverse, values)
         return unique, summed, dtype
+    passes = int(counts.max())
+    if passes > _MAX_PASSES:  # an index repeated many times (a hostile peer): one pass on the host
+        unique, summed = _merge_host(indices.cpu(), values.cpu())
+        return unique.to(values.device), summed.to(values.device), dtype
     # Occurrence number of each pair within its index; pass j adds every index's j-th pair,
-    # so no pass holds an index twice: no atomic races, left-to-right order on any device.
+    # so no pass holds an index twice: no atomic races, left-to-right order on the device.
     starts = torch.cumsum(counts, 0) - counts
     occurrence = torch.arange(n, device=values.device) - torch.repeat_interleave(starts, counts)
     by_pass = torch.argsort(occurrence, stable=True)
@@ -147,6 +157,15 @@ def _merge_acc(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Te
         summed.index_add_(0, inverse[start: start + size], values[start: start + size])
         start += size
     return unique, summed, dtype
+
+
+def _merge_host(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU: after a stable sort each index's pairs are in (rank, position) order, and
+    index_add_ adds in input order, so one pass sums them left to right however often an
+    index repeats."""
+    order = torch.argsort(indices, stable=True)
+    unique, inverse = torch.unique_consecutive(indices[order], return_inverse=True)
+    return unique, torch.zeros(unique.numel(), dtype=values.dtype).index_add_(0, inverse, values[order])
 
 
 def merge_dense(parts: list[tuple[torch.Tensor, torch.Tensor]], numel: int, dtype: torch.dtype | None = None,
@@ -187,7 +206,7 @@ def sparse_allgather(backend: Backend, indices: torch.Tensor, values: torch.Tens
     Returns a Work of the dense sum (a 1-D tensor of numel elements, values' dtype and
     device) or, with dense=False, of the merged sparse sum ``(indices int64 ascending unique,
     values)``. Every rank gets bit-identical results. All ranks must pass the same numel and
-    values dtype; out-of-range indices on any rank make every rank raise ValueError (on wait)."""
+    values dtype; out-of-range indices on any rank make every rank raise WireFormatError (on wait)."""
     dtype, device = values.dtype, values.device
     buf = pack(indices, values, numel)
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..compress import Compressor, Ctx, ErrorFeedback, compressor as make_compressor
+from ..errors import WireFormatError
 from .backend import Backend, Work
 
 
@@ -41,12 +42,15 @@ class ExchangeStats:
     exchange_s: float = 0.0
     decode_s: float = 0.0
     buckets: dict[str, str] = field(default_factory=dict)  # bucket key -> strategy used
+    intra_bytes_sent: int = 0  # of bytes_sent/received: what stayed inside a node (hierarchical)
+    intra_bytes_received: int = 0
 
     def merge(self, other: "ExchangeStats") -> "ExchangeStats":
         return ExchangeStats(self.bytes_sent + other.bytes_sent, self.bytes_received + other.bytes_received,
                              self.dense_bytes + other.dense_bytes, self.encode_s + other.encode_s,
                              self.exchange_s + other.exchange_s, self.decode_s + other.decode_s,
-                             {**self.buckets, **other.buckets})
+                             {**self.buckets, **other.buckets}, self.intra_bytes_sent + other.intra_bytes_sent,
+                             self.intra_bytes_received + other.intra_bytes_received)
 
     @property
     def ratio(self) -> float:
@@ -55,7 +59,10 @@ class ExchangeStats:
     def as_dict(self) -> dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "dense_bytes": self.dense_bytes, "ratio": self.ratio, "encode_s": self.encode_s,
-                "exchange_s": self.exchange_s, "decode_s": self.decode_s, "buckets": dict(self.buckets)}
+                "exchange_s": self.exchange_s, "decode_s": self.decode_s, "buckets": dict(self.buckets),
+                "intra_bytes_sent": self.intra_bytes_sent, "intra_bytes_received": self.intra_bytes_received,
+                "inter_bytes_sent": self.bytes_sent - self.intra_bytes_sent,
+                "inter_bytes_received": self.bytes_received - self.intra_bytes_received}
 
 
 @dataclass(frozen=True)
@@ -298,16 +305,21 @@ class Allgather(Strategy):
         size = None if None in static else 8 * len(segs) + sum(static)  # type: ignore[operator]
         t1 = time.perf_counter()
         self.stats.encode_s += t1 - t0
-        world = self.backend.world_size
+        world, rank = self.backend.world_size, self.backend.rank
 
         def finish(messages: list[torch.Tensor]) -> torch.Tensor:
             t2 = time.perf_counter()
             self.stats.exchange_s += t2 - t1
             self._count(key, x, message.numel(), sum(m.numel() for m in messages) - message.numel())
             total = x.zero_() if self.into_input else torch.zeros_like(x)  # x was read by the encode only
-            for m in messages:  # rank order: bit-identical sums on every rank
-                for seg, c, packet in zip(segs, codecs, split_message(m, len(segs))):
-                    c.add_decoded(packet, seg.of(total))  # no dense decode
+            for r, m in enumerate(messages):  # rank order: bit-identical sums on every rank
+                # Every rank checks every message, its own included, against its own segments, so
+                # a bad packet makes all ranks raise WireFormatError here, none hangs or goes on.
+                parts = split_message(m, len(segs))
+                if r == rank and not torch.equal(m, message):
+                    raise WireFormatError(f"rank {rank}'s own message came back altered from the allgather")
+                for seg, c, packet in zip(segs, codecs, parts):  # added where sent: no dense decode
+                    c.add_decoded(packet, seg.of(total), shape=(seg.numel,), dtype=x.dtype)
             if average:
                 total.div_(world)
             self.stats.decode_s += time.perf_counter() - t2
@@ -318,8 +330,6 @@ class Allgather(Strategy):
 
 def split_message(message: torch.Tensor, count: int) -> list[torch.Tensor]:
     """The packets of one allgather message; a malformed table raises WireFormatError."""
-    from ..errors import WireFormatError
-
     if message.numel() < 8 * count:
         raise WireFormatError(f"message of {message.numel()} bytes is shorter than its {count}-entry length table")
     lengths = message[: 8 * count].clone().view(torch.int64).tolist()
@@ -342,6 +352,26 @@ def packet_indices(packet, numel: int) -> torch.Tensor:
         return packet.section(Kind.INDICES).to(torch.int64)
     count = packet.section(Kind.VALUES).numel()
     return indexcodec.decode(packet.section(Kind.INDICES_PACKED), count, numel).to(torch.int64)
+
+
+def check_leader_indices(idx: torch.Tensor, segs: list[Segment], counts: list[int]) -> None:
+    """The leader's broadcast indices: counts[i] strictly ascending ones inside segment i each.
+
+    Every rank (the leader too) runs this on the same bytes after the broadcast, so a bad
+    index makes every rank raise WireFormatError before the allreduce: none hangs in it."""
+    if idx.dtype != torch.int64 or idx.numel() != sum(counts):
+        raise WireFormatError(f"artopk: {idx.numel()} {idx.dtype} indices, expected {sum(counts)} int64")
+    if not idx.numel():
+        return
+    dev = idx.device
+    reps = torch.tensor(counts, device=dev)
+    lo = torch.repeat_interleave(torch.tensor([s.offset for s in segs], device=dev), reps)
+    hi = lo + torch.repeat_interleave(torch.tensor([s.numel for s in segs], device=dev), reps)
+    ok = (idx >= lo).logical_and_(idx < hi).all()
+    if idx.numel() > 1:
+        ok = ok.logical_and_((idx[1:] > idx[:-1]).all())
+    if not bool(ok):
+        raise WireFormatError("artopk: the leader's indices are out of their segments or not strictly ascending")
 
 
 class ARTopK(Strategy):
@@ -370,6 +400,7 @@ class ARTopK(Strategy):
         else:
             idx = torch.empty(sum(counts), dtype=torch.int64, device=x.device)
         self.backend.broadcast(idx, leader).wait()
+        check_leader_indices(idx, segs, counts)
         flat = torch.cat(corrected) if len(corrected) > 1 else corrected[0]
         values = torch.cat([flat[idx], flat.sum().reshape(1)])
         if self.feedback is not None:

@@ -66,6 +66,14 @@ class TorchDistBackend(Backend):
                              group=self.group, async_op=True).get_future()
         return Work(future=fut.then(lambda f: t))
 
+    def split(self, color: int, key: int) -> "TorchDistBackend":
+        pairs = self.allgather_object((int(color), int(key)))
+        members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == int(color))
+        ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r for _, r in members]
+        # only the members create their group, so the groups of other colors need not exist here
+        group = dist.new_group(ranks=ranks, use_local_synchronization=True, sort_ranks=False)
+        return TorchDistBackend(group)
+
     def allgather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)

@@ -99,6 +99,7 @@ class Compressor:
     # residual to matter (sparsifiers, sign/onebit, fp8/int8), not a near-lossless cast or
     # an unbiased estimator (randomk, qsgd, terngrad), whose residuals only add variance
     feedback_helps: ClassVar[bool] = True
+    flag_bits: ClassVar[int] = 0  # header flag bits this codec defines; any other set bit is rejected
 
     def __init__(self, **kwargs: Any) -> None:
         known = {p.name: p for p in self.params}
@@ -156,6 +157,14 @@ class Compressor:
     def _section_sizes(self, numel: int, dtype: torch.dtype) -> list[int] | None:
         return None
 
+    def max_section_sizes(self, numel: int, dtype: torch.dtype) -> list[int]:
+        """Unpadded bytes of each section of the largest packet this compressor writes for
+        `numel` elements (bounds a lossless frame's content before it is decompressed)."""
+        sizes = self._section_sizes(numel, dtype)
+        if sizes is None:
+            raise NotImplementedError(f"{self.name} declares no size bound")
+        return sizes
+
     # ---- encode / decode ----------------------------------------------------------
     def encode(self, x: torch.Tensor, ctx: Ctx | None = None) -> Packet:
         check_input(self.name, x)
@@ -208,20 +217,29 @@ class Compressor:
         """The pieces of the sender's own packet (no validation); default: one dense decode."""
         yield slice(0, pk.numel), self._decode(pk)
 
-    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None, *,
+               shape: tuple[int, ...] | torch.Size | None = None, dtype: torch.dtype | None = None,
+               max_numel: int | None = None) -> torch.Tensor:
         """Validate, then rebuild the tensor. Without `out` the result may share the
-        packet's memory (the `none` codec returns a view), so copy before mutating it."""
+        packet's memory (the `none` codec returns a view), so copy before mutating it.
+
+        A receiver says what it expects -- `out`, or `shape` and `dtype` of its own tensor --
+        and a packet that disagrees raises `WireFormatError` before anything is allocated.
+        Given neither `out` nor `shape`, the packet may declare at most `max_numel` elements
+        (default `wire.MAX_DECODE_NUMEL`, 2**28)."""
         pk = packet if isinstance(packet, Packet) else wire.parse(packet)
-        self.check_header(pk, out)
+        self.check_header(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
         flat = self._decode(pk)
         return deliver(flat, pk, out)
 
-    def add_decoded(self, packet: Packet | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def add_decoded(self, packet: Packet | torch.Tensor, out: torch.Tensor, *,
+                    shape: tuple[int, ...] | torch.Size | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
         """out += decode(packet), bit for bit, after the same validation as `decode`, but
         without a full-size decoded tensor where the codec allows (sparse: only the sent
         positions; quantizers: tile by tile). For summing packets from many ranks."""
         pk = packet if isinstance(packet, Packet) else wire.parse(packet)
-        self.check_header(pk, out)
+        self.check_header(pk, out, shape=shape, dtype=dtype)
         _add_pieces(out.view(-1), self._received(pk))
         return out
 
@@ -229,21 +247,19 @@ class Compressor:
         """The pieces of a validated packet (default: those of the sender's own)."""
         return self._sent(pk)
 
-    def check_header(self, pk: Packet, out: torch.Tensor | None, config: int | None = None) -> None:
-        """Codec, config, dtype, size and section checks before any allocation."""
+    def check_header(self, pk: Packet, out: torch.Tensor | None, config: int | None = None, *,
+                     shape: tuple[int, ...] | torch.Size | None = None, dtype: torch.dtype | None = None,
+                     max_numel: int | None = None) -> None:
+        """Codec, config, flags, expected size and dtype, and section checks before any allocation."""
         if pk.codec != self.codec_id:
             raise WireFormatError(f"codec id {pk.codec} is not {self.name}'s ({self.codec_id})")
         want = self.crc if config is None else config
         if pk.config != want:
             raise WireFormatError(f"config checksum {pk.config:#010x} does not match {str(self)!r} ({want:#010x}): "
                                   "the sender used a different compressor config")
-        if pk.dtype not in FLOAT_DTYPES:
-            raise WireFormatError(f"tensor dtype {pk.dtype} is not one of {FLOAT_DTYPES}")
-        if out is not None:
-            if out.numel() != pk.numel:
-                raise WireFormatError(f"packet holds {pk.numel} elements but out has {out.numel()}")
-        elif pk.numel > wire.MAX_DECODE_NUMEL:
-            raise WireFormatError(f"numel {pk.numel} exceeds the decode limit {wire.MAX_DECODE_NUMEL}; pass out= to allow it")
+        if pk.flags & ~self.flag_bits:
+            raise WireFormatError(f"{self.name} packet has unknown flag bits {pk.flags & ~self.flag_bits:#04x}")
+        check_expected(pk, out, shape, dtype, max_numel)
         self._check(pk)
 
     def _check(self, pk: Packet) -> None:
@@ -283,6 +299,30 @@ def check_input(name: str, x: Any) -> None:
         from ..cuda import require_cupy
 
         require_cupy()
+
+
+def check_expected(pk: Packet, out: torch.Tensor | None, shape: tuple[int, ...] | torch.Size | None,
+                   dtype: torch.dtype | None, max_numel: int | None) -> None:
+    """The packet against what the receiver expects (raises WireFormatError, allocates nothing).
+
+    `out`: numel and dtype must match (then `out` bounds the size); `shape`/`dtype`: must
+    match exactly; with neither `out` nor `shape` the numel is capped at `max_numel`."""
+    if pk.dtype not in FLOAT_DTYPES:
+        raise WireFormatError(f"tensor dtype {pk.dtype} is not one of {FLOAT_DTYPES}")
+    if dtype is not None and pk.dtype != dtype:
+        raise WireFormatError(f"packet holds {pk.dtype} but the receiver expects {dtype}")
+    if shape is not None and pk.shape != tuple(shape):
+        raise WireFormatError(f"packet has shape {pk.shape} but the receiver expects {tuple(shape)}")
+    if out is not None:
+        if out.numel() != pk.numel:
+            raise WireFormatError(f"packet holds {pk.numel} elements but out has {out.numel()}")
+        if out.dtype != pk.dtype:
+            raise WireFormatError(f"packet holds {pk.dtype} but out is {out.dtype}")
+    elif shape is None:
+        cap = wire.MAX_DECODE_NUMEL if max_numel is None else max_numel
+        if pk.numel > cap:
+            raise WireFormatError(f"numel {pk.numel} exceeds the decode limit {cap}; "
+                                  "pass out=, shape= or max_numel= to allow it")
 
 
 def expect(pk: Packet, *spec: tuple[Kind, torch.dtype | tuple[torch.dtype, ...], int | None]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import WireFormatError
 from . import wire
-from .base import Compressor, Ctx, Piece, _add_pieces, check_input, deliver
+from .base import Compressor, Ctx, Piece, _add_pieces, check_expected, check_input, deliver
 from .wire import Kind, Packet, Section
 
 
@@ -98,58 +98,88 @@ class Chain(Compressor):
     def _value_pieces(self, p: Packet, idx: torch.Tensor, inner: Packet) -> Iterator[Piece]:
         yield from self.first.pieces(p, idx, self.value_stage._decode(inner))  # type: ignore[attr-defined,union-attr]
 
-    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        pk, config = self._unwrap(packet, out)
-        return self._decode_first(pk, config, out)
+    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None, *,
+               shape: tuple[int, ...] | torch.Size | None = None, dtype: torch.dtype | None = None,
+               max_numel: int | None = None) -> torch.Tensor:
+        """Outside in: each packet's header and sections are checked against what the receiver
+        expects before the stage inside it is unwrapped or decoded."""
+        pk = self._unwrap(packet, out, shape, dtype, max_numel)
+        return deliver(self.first._decode(pk), pk, out)
 
-    def add_decoded(self, packet: Packet | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        pk, config = self._unwrap(packet, out)
-        self.first.check_header(pk, out, config=config)
+    def add_decoded(self, packet: Packet | torch.Tensor, out: torch.Tensor, *,
+                    shape: tuple[int, ...] | torch.Size | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+        pk = self._unwrap(packet, out, shape, dtype, None)
         _add_pieces(out.view(-1), self.first._received(pk))
         return out
 
-    def _unwrap(self, packet: Packet | torch.Tensor, out: torch.Tensor | None) -> tuple[Packet, int]:
-        """The first stage's packet (frame unwrapped, values decoded) and its config checksum."""
+    def _unwrap(self, packet: Packet | torch.Tensor, out: torch.Tensor | None,
+                shape: tuple[int, ...] | torch.Size | None, dtype: torch.dtype | None,
+                max_numel: int | None) -> Packet:
+        """The first stage's packet, every stage checked (frame unwrapped, values decoded)."""
         pk = packet if isinstance(packet, Packet) else wire.parse(packet)
         if pk.config != self.crc:
             raise WireFormatError(f"config checksum {pk.config:#010x} does not match {str(self)!r} ({self.crc:#010x}): "
                                   "the sender used a different compressor config")
+        check_expected(pk, out, shape, dtype, max_numel)
         inner_config = self.crc
         if self.lossless is not None:
-            self.lossless.check_header(pk, out, config=self.crc)
-            wrapped = self.lossless.unwrap(pk)  # type: ignore[attr-defined]
+            self.lossless.check_header(pk, out, config=self.crc, shape=pk.shape, dtype=pk.dtype)
+            limit, exact = self.content_limit(pk.numel, pk.dtype, len(pk.shape))
+            wrapped = self.lossless.unwrap(pk, limit, exact)  # type: ignore[attr-defined]
             if wrapped.dtype != pk.dtype or wrapped.shape != pk.shape:
                 raise WireFormatError("a lossless frame's inner packet disagrees with its outer header")
             pk, inner_config = wrapped, self.first.crc
+        if self.value_stage is None:
+            self.first.check_header(pk, out, config=inner_config, shape=pk.shape, dtype=pk.dtype)
+        else:
+            pk = self._decode_values(pk, inner_config, out)
+        return pk
+
+    def content_limit(self, numel: int, dtype: torch.dtype, ndim: int) -> tuple[int, bool]:
+        """(most bytes, whether exactly that many) of the frame content a lossless stage may
+        hold for a tensor of `numel` elements: the header and unpadded sections of the largest
+        packet the stages before it write. Exact when that packet's size is data-independent."""
+        sizes = self.first._section_sizes(numel, dtype)
+        exact = sizes is not None
+        if sizes is None:
+            sizes = self.first.max_section_sizes(numel, dtype)
         if self.value_stage is not None:
-            pk = self._decode_values(pk)
-        return pk, inner_config
+            k = self.first.value_count(numel)  # type: ignore[attr-defined]
+            inner = self.value_stage.static_size(numel if k is None else k, dtype)
+            if inner is None:  # every value stage is a dense codec of static size
+                raise TypeError(f"{self.value_stage} has no static packet size")
+            exact = exact and k is not None
+            sizes = [inner if i == _VALUES_AT else n for i, n in enumerate(sizes)]
+        return wire.header_size(ndim, len(sizes)) + sum(sizes), exact
 
-    def _decode_first(self, pk: Packet, config: int, out: torch.Tensor | None) -> torch.Tensor:
-        self.first.check_header(pk, out, config=config)
-        return deliver(self.first._decode(pk), pk, out)
-
-    def _decode_values(self, pk: Packet) -> Packet:
-        """Replace the NESTED section by the VALUES it encodes."""
+    def _decode_values(self, pk: Packet, config: int, out: torch.Tensor | None) -> Packet:
+        """Check the outer packet with a stand-in for its values, then decode the NESTED
+        section into the VALUES it encodes (its count fixed by the outer packet)."""
         kinds = pk.kinds()
-        if kinds.count(Kind.NESTED) != 1:
-            raise WireFormatError(f"expected one NESTED section in a {self} packet, found {[k.name for k in kinds]}")
-        raw = pk.section(Kind.NESTED)
+        if kinds.count(Kind.NESTED) != 1 or len(kinds) <= _VALUES_AT or kinds[_VALUES_AT] != Kind.NESTED:
+            raise WireFormatError(f"expected one NESTED section in place of VALUES in a {self} packet, "
+                                  f"found {[k.name for k in kinds]}")
+        raw = pk.sections[_VALUES_AT].data
         if raw.dtype != torch.uint8:
             raise WireFormatError(f"NESTED section has dtype {raw.dtype}, expected uint8")
         inner = wire.parse(raw)
-        assert self.value_stage is not None
         if inner.dtype != pk.dtype or len(inner.shape) != 1:
             raise WireFormatError(f"nested values must be a 1-D {pk.dtype} tensor, got {inner.dtype} {inner.shape}")
-        # Check the count before the value stage allocates: a forged nested numel must not
-        # make a small packet decode into a huge buffer.
+        # The outer packet, its indices included, is checked with a zero-stride stand-in for
+        # the inner count of values (no memory), so a bad outer packet fails before the value
+        # stage runs, and the value stage may produce exactly that many values and no more.
+        count = inner.numel
         k = self.first.value_count(pk.numel)  # type: ignore[attr-defined]
-        if inner.numel > pk.numel or (k is not None and inner.numel != k):
-            raise WireFormatError(f"nested values packet holds {inner.numel} elements, expected "
+        if count > pk.numel or (k is not None and count != k):
+            raise WireFormatError(f"nested values packet holds {count} elements, expected "
                                   f"{k if k is not None else f'at most {pk.numel}'} for {pk.numel} elements")
-        values = self.value_stage.decode(inner)
-        sections = [Section(Kind.VALUES, values) if s.kind == Kind.NESTED else s for s in pk.sections]
-        return Packet(pk.codec, pk.dtype, pk.shape, sections, pk.config, pk.flags)
+        stand_in = torch.zeros((), dtype=pk.dtype, device=raw.device).expand(count)
+        probe = Packet(pk.codec, pk.dtype, pk.shape, _with_values(pk.sections, stand_in), pk.config, pk.flags)
+        self.first.check_header(probe, out, config=config, shape=pk.shape, dtype=pk.dtype)
+        assert self.value_stage is not None
+        values = self.value_stage.decode(inner, shape=(count,), dtype=pk.dtype)
+        return Packet(pk.codec, pk.dtype, pk.shape, _with_values(pk.sections, values), pk.config, pk.flags)
 
     def to_summable(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
         if not self.summable:
@@ -164,3 +194,10 @@ class Chain(Compressor):
             k = self.first.value_count(like.numel())  # type: ignore[attr-defined]
             payload = self.value_stage.from_summable(payload, torch.empty(k, dtype=like.dtype, device=like.device), ctx)
         return self.first.from_summable(payload, like, ctx)
+
+
+_VALUES_AT = 1  # a sparsifier's sections: indices, VALUES (, SENTINEL)
+
+
+def _with_values(sections: list[Section], values: torch.Tensor) -> list[Section]:
+    return [Section(Kind.VALUES, values) if i == _VALUES_AT else s for i, s in enumerate(sections)]

@@ -96,7 +96,7 @@ class ErrorFeedback:
     def encode_decode(self, x: torch.Tensor, key: int | str, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
         """`encode`, and what the packet decodes to (a dense tensor)."""
         packet = self.encode(x, key, ctx)
-        return packet, self.compressor.decode(packet)
+        return packet, self.compressor.decode(packet, shape=x.shape)
 
     def correct(self, x: torch.Tensor, key: int | str) -> torch.Tensor:
         """x plus the residual stored under key (a new tensor; x is not modified)."""
@@ -184,7 +184,7 @@ class DGCMomentum:
 
     def encode_decode(self, grad: torch.Tensor, key: int | str, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
         packet = self.encode(grad, key, ctx)
-        return packet, self.compressor.decode(packet)
+        return packet, self.compressor.decode(packet, shape=grad.shape)
 
     def reset(self) -> None:
         self.u.clear()

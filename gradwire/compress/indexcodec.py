@@ -192,6 +192,19 @@ def _choose(D: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
     return best_b, best_eg
 
 
+def max_size(count: int, numel: int) -> int:
+    """Bytes `encode` can write for `count` indices below `numel`, at most.
+
+    Each block's width is chosen by least cost, so it costs no more than Rice with
+    b = floor(log2(mean gap * ln 2)) (<= 31): 128*b low bits plus under 370 quotient bits
+    plus 128 terminators, i.e. under 4.4 bytes per index, plus a word of low-section padding,
+    a params byte and slack per block, and 1 bit per 2**31 of the gaps' sum (<= numel)."""
+    if count <= 0:
+        return 0
+    nb = -(-count // BLOCK)
+    return 5 * count + 24 * nb + (numel >> 31) // 8 + 16
+
+
 # ---- decode ---------------------------------------------------------------------------
 
 def check(data: torch.Tensor, count: int) -> None:

@@ -19,8 +19,10 @@ FRAME section of an outer packet with codec 14 and the inner packet's dtype and 
 `wrap`/`unwrap` are what a chain calls for its last stage; standalone, `zstd` wraps
 the `none` packet of the tensor, so decode(encode(x)) is bit-identical, NaN payloads included.
 
-Unwrapping bounds the decompressed size by the outer header before zstd runs
-(`content_bound(numel)`), and a frame must declare its content size within it.
+Unwrapping checks the content size the frame header declares against what the outer
+header implies before zstd runs (python-zstandard allocates the declared size first):
+exactly the `none` packet's size standalone, the largest packet of the earlier stages in
+a chain (`Chain.content_limit`, exact when their size is data-independent).
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ class Zstd(Compressor):
     codec_id = 14
     role = "lossless"
     feedback_helps = False
+    flag_bits = 0x01  # FLAG_NVCOMP_ANS
     params = (Param("level", int, 3, lambda v: 1 <= v <= 22, "1 <= level <= 22"),)
 
     # ---- the wrapper a chain uses ---------------------------------------------------
@@ -247,28 +250,24 @@ class Zstd(Compressor):
             frame = frame.to(inner.device)
         return Packet(self.codec_id, inner.dtype, tuple(inner.shape), [Section(Kind.FRAME, frame)], self.crc)
 
-    def unwrap(self, outer: Packet) -> Packet:
-        """The inner packet of a zstd packet; every malformed frame raises WireFormatError."""
+    def unwrap(self, outer: Packet, limit: int | None = None, exact: bool = False) -> Packet:
+        """The inner packet of a zstd packet; every malformed frame raises WireFormatError.
+
+        The frame must declare its content size, at most `limit` bytes (exactly `limit` when
+        `exact`; default `content_bound(numel)`), and that is checked from the frame header
+        before zstd allocates or decompresses anything."""
         if outer.codec != self.codec_id:
             raise WireFormatError(f"codec id {outer.codec} is not zstd's ({self.codec_id})")
         (frame,) = expect(outer, (Kind.FRAME, torch.uint8, None))
-        bound = content_bound(outer.numel)
+        bound = content_bound(outer.numel) if limit is None else limit
         if outer.flags & ~FLAG_NVCOMP_ANS:
             raise WireFormatError(f"zstd packet has unknown flag bits {outer.flags:#04x}")
         if outer.flags & FLAG_NVCOMP_ANS:
             return self._check_inner(packet_from_content(_nvcomp_content(frame, bound)), outer)
         host = frame.cpu().contiguous().numpy()
+        size = _declared_size(host, bound, exact, outer.numel)
         try:
-            size = zstandard.frame_content_size(host)
-        except zstandard.ZstdError as e:
-            raise WireFormatError(f"zstd frame header is malformed: {e}") from None
-        if size < 0:
-            raise WireFormatError("zstd frame does not declare its content size")
-        if size > bound:
-            raise WireFormatError(f"zstd frame declares {size} content bytes, more than the {bound} "
-                                  f"a packet of {outer.numel} elements may hold")
-        try:
-            raw = _dctx().decompress(host, max_output_size=bound, allow_extra_data=False)
+            raw = _dctx().decompress(host, max_output_size=size, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise WireFormatError(f"zstd frame does not decompress: {e}") from None
         if len(raw) != size:
@@ -296,11 +295,13 @@ class Zstd(Compressor):
         expect(pk, (Kind.FRAME, torch.uint8, None))
 
     def _decode(self, pk: Packet) -> torch.Tensor:
-        inner = self.unwrap(pk)
+        # A standalone frame holds the `none` packet of the tensor: its size is exact.
+        itemsize = _itemsize(pk.dtype)
+        inner = self.unwrap(pk, wire.header_size(len(pk.shape), 1) + pk.numel * itemsize, exact=True)
         if inner.codec != _NONE.codec_id or inner.config != _NONE.crc:
             raise WireFormatError(f"a standalone zstd frame must hold a 'none' packet, found codec {inner.codec} "
                                   f"with config {inner.config:#010x}")
-        _NONE._check(inner)
+        _NONE.check_header(inner, None, shape=pk.shape, dtype=pk.dtype)  # its flags and section too
         return _NONE._decode(inner)
 
 
@@ -309,6 +310,26 @@ _NONE = NoCompression()
 #: Outer-packet flag of codec 14: the FRAME holds an nvCOMP ANS stream of the frame content
 #: (written for CUDA tensors when nvCOMP is installed) instead of a zstd frame.
 FLAG_NVCOMP_ANS = 0x01
+
+
+def _declared_size(frame: object, bound: int, exact: bool, numel: int) -> int:
+    """The content size a zstd frame header declares, checked against `bound` (python-zstandard
+    would allocate whatever the header says before decompressing)."""
+    try:
+        params = zstandard.get_frame_parameters(frame)
+    except zstandard.ZstdError as e:
+        raise WireFormatError(f"zstd frame header is malformed: {e}") from None
+    size = params.content_size
+    if size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) or size < 0:
+        raise WireFormatError("zstd frame does not declare its content size")
+    if params.dict_id:
+        raise WireFormatError(f"zstd frame needs dictionary {params.dict_id}; gradwire frames use none")
+    if not params.has_checksum:
+        raise WireFormatError("zstd frame has no content checksum; gradwire frames carry one")
+    if size > bound or (exact and size != bound):
+        raise WireFormatError(f"zstd frame declares {size} content bytes, but a packet of {numel} elements "
+                              f"holds {'exactly' if exact else 'at most'} {bound}")
+    return size
 
 
 def _nvcomp_content(frame: torch.Tensor, bound: int) -> torch.Tensor:

@@ -373,13 +373,15 @@ class _Chunked(Compressor):
     _layout: tuple[str | int, ...] = ()
     per_chunk = 1
 
-    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None, *,
+               shape: tuple[int, ...] | torch.Size | None = None, dtype: torch.dtype | None = None,
+               max_numel: int | None = None) -> torch.Tensor:
         """On the CPU, decoded tile by tile into one output (`_sent`): no full-size
         intermediates (unpacked codes, signs, fp32 values), only the result."""
         pk = packet if isinstance(packet, Packet) else wire.parse(packet)
         if pk.device.type != "cpu" or not pk.numel:
-            return super().decode(pk, out)
-        self.check_header(pk, out)
+            return super().decode(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
+        self.check_header(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
         flat = torch.empty(pk.numel, dtype=pk.dtype)
         for where, values in self._sent(pk):
             flat[where].copy_(values)

@@ -407,6 +407,15 @@ class _Sparse(Compressor):
         sizes = [k * isz, k * torch.empty((), dtype=dtype).element_size()]
         return sizes + [4] if self._sentinel else sizes
 
+    def max_section_sizes(self, numel: int, dtype: torch.dtype) -> list[int]:
+        k = self.value_count(numel)
+        k = numel if k is None else k
+        index = k * torch.empty((), dtype=indexcodec.raw_dtype(numel)).element_size()
+        if self.indices == "packed":  # "auto" packs only when that is smaller than raw
+            index = max(index, indexcodec.max_size(k, numel))
+        sizes = [index, k * torch.empty((), dtype=dtype).element_size()]
+        return sizes + [4] if self._sentinel else sizes
+
     # ---- encode -------------------------------------------------------------------
     def _index_section(self, idx: torch.Tensor, numel: int) -> Section:
         mode = self.indices

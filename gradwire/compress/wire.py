@@ -39,9 +39,10 @@ _FIXED = struct.Struct("<4sBBBBBBHIQ")
 _SECTION = struct.Struct("<BB6sQ")
 assert _FIXED.size == 24 and _SECTION.size == 16
 
-#: Largest tensor a packet may declare when the caller gives no ``out``; guards sparse
-#: decoders against a forged numel that would make them allocate terabytes.
-MAX_DECODE_NUMEL = 1 << 32
+#: Default cap on the elements standalone `decode` produces when the caller says nothing
+#: about the tensor it expects (no ``out``, no ``shape``): a forged numel must not make a
+#: 72-byte packet allocate gigabytes. 2**28 fp32 elements = 1 GiB; pass ``max_numel`` to raise it.
+MAX_DECODE_NUMEL = 1 << 28
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 0,
@@ -250,11 +251,14 @@ def parse(buf: torch.Tensor) -> Packet:
         raise WireFormatError(f"header needs {hsize} bytes but the packet has {total}")
     rest = bytes(buf[_FIXED.size: hsize].cpu().numpy().tobytes())
     shape = struct.unpack_from(f"<{ndim}Q", rest, 0)
-    prod = 1
+    prod, nonzero = 1, 1
     for s in shape:
         prod *= s
+        nonzero *= max(s, 1)
     if prod != numel:
         raise WireFormatError(f"numel {numel} does not equal the product of shape {shape}")
+    if nonzero >= 1 << 63:  # a zero dim beside huge ones: numel 0, but no tensor has that shape
+        raise WireFormatError(f"shape {shape}: the product of its non-zero dims is not below 2**63")
     sections: list[Section] = []
     pos = hsize
     for i in range(nsec):

@@ -11,7 +11,9 @@ def cupy_available() -> bool:
 
 def require_cupy() -> None:
     """Fail with the install hint when a CUDA tensor arrives and CuPy is missing."""
-    if not cupy_available():
+    from .launch import is_emulated
+
+    if not cupy_available() and not is_emulated():
         raise RuntimeError(
             "gradwire needs CuPy for CUDA tensors: pip install 'gradwire[cuda12]' "
             "(CUDA 12) or 'gradwire[cuda13]' (CUDA 13)")

@@ -46,14 +46,15 @@ INSTANTIATIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def source(file: str) -> str:
+def source(file: str, kernel_dir: Path = KERNEL_DIR) -> str:
     """The text of one kernel file with its local headers inlined: CuPy's disk cache is keyed
-    by the source text, so a changed header must change the text too."""
+    by the source text, so a changed header must change the text too. (`kernel_dir`: a copy
+    of the sources, e.g. the emulator's mutation check.)"""
     lines = []
-    for line in (KERNEL_DIR / file).read_text().splitlines():
+    for line in (Path(kernel_dir) / file).read_text().splitlines():
         m = re.fullmatch(r'\s*#include "([\w.]+\.cuh)"\s*', line)
         if m:
-            lines.append(source(m.group(1)).replace("#pragma once\n", ""))  # included once per file
+            lines.append(source(m.group(1), kernel_dir).replace("#pragma once\n", ""))  # included once per file
         else:
             lines.append(line)
     return "\n".join(lines) + "\n"

@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import loader
-from .interop import max_blocks, on_torch_stream, to_cupy
+from . import launch
 
 THREADS = 256
 TILE = 256 * 16  # elements per block in select_count / select_write (GW_TILE)
@@ -32,11 +31,17 @@ def _i64(v: int) -> np.int64:
 
 def _launch(file: str, name: str, device: torch.device, work: int, args: tuple, block: int = THREADS,
             grid: int | None = None) -> None:
-    """Launch `name` over `work` items (grid-stride kernels: the grid is capped)."""
+    """Launch `name` over `work` items (grid-stride kernels: the grid is capped), through the
+    current launcher (CuPy on a GPU, or the CPU emulator: gradwire/cuda/launch.py)."""
+    launcher = launch.current()
     if grid is None:
-        grid = max(1, min(-(-work // block), max_blocks(device.index or 0)))
-    conv = tuple(to_cupy(a) if isinstance(a, torch.Tensor) else a for a in args)
-    loader.kernel(file, name)((grid,), (block,), conv)
+        grid = max(1, min(-(-work // block), launcher.max_blocks(device)))
+    launcher.launch(file, name, grid, block, args)
+
+
+def on_torch_stream(device: torch.device):
+    """Launches inside are ordered on torch's current stream of `device` (GPU), or run now (emulator)."""
+    return launch.current().stream(device)
 
 
 def _empty(n: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,24 @@ _SUBCLASSES: dict[type, type] = {}
 _LENGTH_BYTES = 8  # each rank's allgather message starts with its packet length (int64)
 
 
+def split_allgathered(out: torch.Tensor, world: int, name: str) -> list[tuple[int, int]]:
+    """(start, end) of each rank's packet in a Horovod allgather of `world` length-prefixed
+    packets; a missing, overlong or trailing byte raises WireFormatError."""
+    spans, pos = [], 0
+    for r in range(world):
+        if pos + _LENGTH_BYTES > out.numel():
+            raise WireFormatError(f"allgather of {name!r}: rank {r}'s message is missing")
+        n = int(out[pos: pos + _LENGTH_BYTES].clone().view(torch.int64))
+        pos += _LENGTH_BYTES
+        if n < 0 or pos + n > out.numel():
+            raise WireFormatError(f"allgather of {name!r}: rank {r} declares {n} bytes, {out.numel() - pos} remain")
+        spans.append((pos, pos + n))
+        pos += n
+    if pos != out.numel():
+        raise WireFormatError(f"allgather of {name!r}: {out.numel()} bytes, the length prefixes describe {pos}")
+    return spans
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Horovod's DistributedOptimizer with gradwire compression.
 
@@ -276,12 +294,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             codec = c
             corrected = fb.correct(grad, name) if fb is not None else grad.detach()
             packet = c.encode(corrected, ctx).tensor()
-            sent = c.decode(packet).clone()
-            if fb is not None:
+            try:
+                sent = c.decode(packet, shape=grad.shape, dtype=grad.dtype).clone()
+            except WireFormatError as e:  # every peer rejects it too: raise with them after the allgather
+                sent = e  # type: ignore[assignment]
+            if fb is not None and isinstance(sent, torch.Tensor):
                 fb.update(name, corrected, sent)
         length = torch.tensor([packet.numel()], dtype=torch.int64).view(torch.uint8).to(packet.device)
-        handle = hvd.allgather_async(torch.cat([length, packet]), name=op_name)
-        return handle, ("allgather", codec, sent)
+        message = torch.cat([length, packet])
+        handle = hvd.allgather_async(message, name=op_name)
+        return handle, ("allgather", codec, sent, message)
 
     # ---- finishing ------------------------------------------------------------------
     def _gw_finish(self, p: torch.Tensor, handle: Any, info: tuple) -> None:
@@ -290,21 +312,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if info[0] == "allreduce":
             result = self._gw_compressor.from_summable(out, grad, info[1])
         else:
-            _, codec, sent = info
+            _, codec, sent, message = info
+            if isinstance(sent, WireFormatError):
+                raise sent
             result = torch.zeros_like(grad)
-            me, pos = hvd.rank(), 0
-            for r in range(hvd.size()):  # rank order: bit-identical sums on every rank
-                if pos + _LENGTH_BYTES > out.numel():
-                    raise WireFormatError(f"allgather of {self._gw_names[p]!r}: rank {r}'s message is missing")
-                n = int(out[pos: pos + _LENGTH_BYTES].clone().view(torch.int64))
-                pos += _LENGTH_BYTES
-                if n < 0 or pos + n > out.numel():
-                    raise WireFormatError(f"allgather of {self._gw_names[p]!r}: rank {r} declares {n} bytes, "
-                                          f"{out.numel() - pos} remain")
-                result.add_(sent if r == me else codec.decode(out[pos: pos + n]))
-                pos += n
-            if pos != out.numel():
-                raise RuntimeError(f"allgather of {self._gw_names[p]!r}: {out.numel()} bytes, parsed {pos}")
+            me, name = hvd.rank(), self._gw_names[p]
+            # Every rank checks every message (its own too) against its own gradient, so bad
+            # bytes make all ranks raise WireFormatError here and none goes on.
+            for r, (start, end) in enumerate(split_allgathered(out, hvd.size(), name)):  # rank order
+                if r == me:
+                    if not torch.equal(out[start - _LENGTH_BYTES: end], message):
+                        raise WireFormatError(f"allgather of {name!r}: this rank's message came back altered")
+                    result.add_(sent)
+                else:
+                    result.add_(codec.decode(out[start: end], shape=grad.shape, dtype=grad.dtype))
             if self.op == hvd.Average:
                 result.div_(hvd.size())
         grad.copy_(result.reshape(grad.shape))
@@ -316,11 +337,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self._gw_requires_update:
                 if p not in self._gw_handles:
                     self._gw_handles[p] = self._gw_launch(p)
+            errors = []
             for p, (handle, info) in self._gw_handles.items():
-                self._gw_finish(p, handle, info)
+                try:
+                    self._gw_finish(p, handle, info)
+                except WireFormatError as e:  # finish the other exchanges first: no handle left behind
+                    errors.append(e)
                 self._gw_delay[p] = self.backward_passes_per_step
             self._gw_handles.clear()
             self._gw_step += 1
+            if errors:
+                raise errors[0]
         self._gw_synchronized = True
 
     @contextlib.contextmanager

@@ -21,6 +21,8 @@ from torch import nn  # noqa: E402
 
 import horovod.torch as hvd  # noqa: E402
 
+import gradwire  # noqa: E402
+from gradwire import WireFormatError  # noqa: E402
 from gradwire.hooks import horovod as gwh  # noqa: E402
 
 CHECKS = []
@@ -240,6 +242,40 @@ def unused_parameter_and_sum_op():
     train(model, opt, 5)
     assert extra.weight.grad is not None and not extra.weight.grad.any()
     assert_same_on_all_ranks(flat_params(model), "sum_op")
+
+
+@check
+def bad_bytes_from_one_rank_raise_everywhere():
+    """Rank 1 sends same-size packets of shape (1,) holding 100: every rank raises WireFormatError
+    (no rank adds 100 to its gradients), and the ranks stay in step."""
+    model = make_model()
+    opt = gw_optimizer(model, "topk:k=1", error_feedback=False)
+    before = flat_params(model).clone()
+    real = gwh.hvd.allgather_async
+
+    def forged(t, name=None):
+        packet = gradwire.compressor("topk:k=1").encode(torch.tensor([100.0])).tensor()
+        return real(torch.cat([torch.tensor([packet.numel()]).view(torch.uint8), packet]), name=name)
+
+    if hvd.rank() == 1:
+        gwh.hvd.allgather_async = forged
+    try:
+        x, y = batch(0)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        try:
+            opt.step()
+        except WireFormatError as e:  # rank 1 sees its own message altered, the others a bad packet
+            wanted = ("altered",) if hvd.rank() == 1 else ("receiver expects", "codec id")
+            assert any(w in str(e) for w in wanted), str(e)
+        else:
+            raise AssertionError("no WireFormatError")
+    finally:
+        gwh.hvd.allgather_async = real
+    assert torch.equal(flat_params(model), before)
+    assert_same_on_all_ranks(flat_params(model), "bad_bytes")
+    train(model, opt, 2)  # the optimizer still works afterwards
+    assert_same_on_all_ranks(flat_params(model), "bad_bytes_after")
 
 
 def main() -> None:

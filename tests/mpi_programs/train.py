@@ -189,5 +189,47 @@ def config_mismatch_raises_everywhere(b) -> None:
         raise AssertionError("different gradient layouts should raise ConfigMismatchError on every rank")
 
 
+class _Forging:
+    """A real MPIBackend whose allgathered messages are replaced on the last rank: a peer that
+    sends a same-size top-k packet of shape (1,) holding 100."""
+
+    def __init__(self, b) -> None:
+        self.b = b
+        self.rank, self.world_size, self.allreduce_identical = b.rank, b.world_size, b.allreduce_identical
+
+    def __getattr__(self, name):
+        return getattr(self.b, name)
+
+    def _forge(self, t: torch.Tensor) -> torch.Tensor:
+        if self.rank != self.world_size - 1:
+            return t
+        import gradwire
+
+        packet = gradwire.compressor("topk:k=1").encode(torch.tensor([100.0])).tensor()
+        return torch.cat([torch.tensor([packet.numel()]).view(torch.uint8), packet])
+
+    def gather_packets(self, packet: torch.Tensor, static_size):
+        return self.b.gather_packets(self._forge(packet), static_size)
+
+
+@check
+def bad_packet_from_one_rank_raises_everywhere(b) -> None:
+    from gradwire import WireFormatError
+
+    # two buckets: the error in each is raised on every rank, and no gradient is written
+    ex = GradientExchanger("topk:k=1", backend=_Forging(b), error_feedback=False, bucket_mb=0.0005)
+    gen = torch.Generator().manual_seed(b.rank)
+    grads = [torch.randn(200, generator=gen), torch.randn(150, generator=gen)]
+    before = [g.clone() for g in grads]
+    try:
+        ex.exchange_([("w", grads[0]), ("v", grads[1])])
+    except WireFormatError:
+        pass
+    else:
+        raise AssertionError("a (1,) packet for a (200,) gradient should raise WireFormatError on every rank")
+    assert all(torch.equal(g, g0) for g, g0 in zip(grads, before)), "a gradient was written despite the error"
+    same_on_all_ranks(b, "ranks still in step after the error", torch.ones(1))
+
+
 if __name__ == "__main__":
     main(__name__)

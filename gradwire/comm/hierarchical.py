@@ -1,0 +1,120 @@
+"""`hierarchical`: dense inside a node, compressed between nodes (BytePS, ZeRO++ hpZ, Bagua).
+
+Real clusters are nodes of several GPUs with fast links inside and slow links between, so
+only the traffic between nodes is worth compressing. For each bucket of a node of G ranks:
+
+1. reduce-scatter inside the node, dense: local rank j gets the node's sum of chunk j of the
+   bucket (one all-to-all, summed in local-rank order, fp32 for half types);
+2. local rank j of every node exchanges its chunk with the same local rank of the other
+   nodes through any inner strategy and compressor (`allgather`, `allreduce`, `oktopk`, ...),
+   keyed per chunk, so error feedback and randomness follow the chunk;
+3. allgather inside the node: every rank has every chunk.
+
+Each node's chunks therefore cross the slow links once, compressed, from G ranks in parallel.
+Replicas stay bit-identical: each chunk's sum comes from the inner strategy (identical on the
+nodes' local rank j) and is copied to the node's other ranks. `last_stats` counts the bytes of
+steps 1 and 3 as `intra_bytes_*`; the rest is inter-node traffic.
+
+Nodes come from `ranks_per_node` when given (contiguous blocks of ranks), else from the
+launcher (`LOCAL_WORLD_SIZE` of torchrun, `OMPI_COMM_WORLD_LOCAL_SIZE` of Open MPI; contiguous
+blocks too), else from the hostnames; every rank must agree, or all raise ValueError.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import zlib
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..compress import Compressor, Ctx
+from .backend import Backend, Work
+from .strategies import ExchangeStats, Strategy, segments_of
+
+_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def node_layout(backend: Backend, ranks_per_node: int | None = None) -> tuple[int, int, int]:
+    """(node index, local rank, ranks per node) of this rank, the same view on every rank."""
+    world, rank = backend.world_size, backend.rank
+    env = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    size = ranks_per_node if ranks_per_node is not None else int(env) if env else None
+    if size is not None:
+        views = backend.allgather_object(int(size))
+        if len(set(views)) > 1:
+            raise ValueError(f"ranks disagree on the ranks per node: {views}")
+        if size < 1 or world % size:
+            raise ValueError(f"{world} ranks do not split into nodes of {size}")
+        return rank // size, rank % size, size
+    hosts = backend.allgather_object(socket.gethostname())
+    names = sorted(set(hosts))
+    members = [[r for r, h in enumerate(hosts) if h == n] for n in names]
+    sizes = {len(m) for m in members}
+    if len(sizes) > 1:
+        raise ValueError(f"nodes have different numbers of ranks: {dict(zip(names, map(len, members)))}; "
+                         "pass ranks_per_node=")
+    node = names.index(hosts[rank])
+    return node, members[node].index(rank), sizes.pop()
+
+
+class Hierarchical(Strategy):
+    """Dense reduce-scatter in the node, `inner` strategy between nodes, allgather in the node."""
+
+    name = "hierarchical"
+
+    def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
+                 inner: str = "allgather", ranks_per_node: int | None = None, **inner_options: Any) -> None:
+        from .registry import make_strategy  # the registry imports this module
+
+        super().__init__(backend, compressor, error_feedback=False)  # the inner strategy keeps it
+        if inner == "hierarchical":
+            raise ValueError("hierarchical cannot nest itself")
+        self.node, self.local, self.ranks_per_node = node_layout(backend, ranks_per_node)
+        self.intra = backend.split(self.node, self.local)
+        self.inter = backend.split(self.local, self.node)
+        self.inner = make_strategy(inner, self.inter, self.compressor, error_feedback, **inner_options)
+
+    def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
+                 shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
+        t0 = time.perf_counter()
+        size, local = self.intra.world_size, self.local
+        cuts = [x.numel() * j // size for j in range(size + 1)]
+        chunks = [x[cuts[j]: cuts[j + 1]] for j in range(size)]
+        received = self.intra.alltoall(chunks).wait()  # 1: the node's parts of chunk `local`
+        part = torch.zeros_like(received[0], dtype=_ACC.get(x.dtype, x.dtype))
+        for r in received:  # local-rank order: the same sum on every node's local rank j
+            part.add_(r)
+        part = part.to(x.dtype)
+        t1 = time.perf_counter()
+        # 2: between nodes, under a key naming the bucket's segments and the chunk
+        names = "|".join(s.key for s in segments_of(x, key, shapes, keys))
+        chunk_key = f"{zlib.crc32(names.encode()):08x}/{local}"
+        summed = self.inner.exchange(part, chunk_key, replace(ctx, key=chunk_key), average=False).wait()
+        if average:
+            summed.div_(self.backend.world_size)
+        t2 = time.perf_counter()
+        item = x.element_size()
+        intra_sent = (x.numel() - chunks[local].numel() + (summed.numel() if size > 1 else 0)) * item
+        intra_received = sum(r.numel() for j, r in enumerate(received) if j != local) * item
+
+        def finish(parts: list[torch.Tensor]) -> torch.Tensor:  # 3: every chunk on every rank
+            out = torch.cat(parts)
+            got = intra_received + (out.numel() - summed.numel()) * item
+            inner = self.inner.take_stats()
+            mine = ExchangeStats(intra_sent, got, x.numel() * item, exchange_s=(t1 - t0) + (time.perf_counter() - t2),
+                                 buckets={str(key): self.name}, intra_bytes_sent=intra_sent, intra_bytes_received=got)
+            self.stats = self.stats.merge(inner).merge(mine)
+            self.stats.dense_bytes -= inner.dense_bytes  # the bucket counts once
+            return out
+
+        return self.intra.allgatherv(summed).then(finish)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
