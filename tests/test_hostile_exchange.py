@@ -68,10 +68,14 @@ def _one_element_packet(spec: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class OneElementTopK(TopK):
-    """A misconfigured rank's compressor: every packet it writes has shape (1,)."""
+    """A misconfigured rank's compressor: every packet it writes has shape (1,), through
+    `encode` and through `encode_selected` (the path error feedback's in-place step takes)."""
 
     def encode(self, x: torch.Tensor, ctx: Ctx | None = None):
         return super().encode(torch.full((1,), 100.0), ctx)
+
+    def encode_selected(self, x: torch.Tensor, ctx: Ctx | None = None):
+        return super().encode_selected(torch.full((1,), 100.0), ctx)
 
 
 def _outcome(fn: Callable[[], Any]) -> str:
