@@ -217,7 +217,8 @@ def main(argv: list[str]) -> int:
             tmp = run_dir / "summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=1))
             tmp.replace(run_dir / "summary.json")  # its presence marks the run finished
-        dist.barrier()  # leave together: a rank tearing gloo down while a peer still talks can abort it
+        dist.barrier()  # every rank's work is done and recorded
+        (run_dir / f"rank{rank}.done").touch()  # what follows is teardown (see launch.finished_ranks)
     finally:
         dist.destroy_process_group()
     return 0
