@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..compress import Compressor, Ctx, compressor as make_compressor
+from ..compress import Compressor, Ctx
 from .backend import Backend, Work
 from .strategies import Allgather, Allreduce, ARTopK, DenseAllreduce, ExchangeStats, Strategy, segments_of
 

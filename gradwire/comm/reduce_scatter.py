@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..compress import Compressor, Ctx, compressor as make_compressor
+from ..compress import Ctx
 from ..errors import WireFormatError
 from .backend import Backend, Work
 from .strategies import Segment, Strategy, split_message
@@ -41,14 +41,6 @@ class AlltoallReduceScatter(Strategy):
     """Per-destination compression, one all-to-all, fp32 decode-and-sum in rank order."""
 
     name = "alltoall"
-
-    def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
-                 min_numel: int = 0) -> None:
-        super().__init__(backend, compressor, error_feedback, min_numel)
-        self.raw = make_compressor("none")
-
-    def _codec(self, seg: Segment, dtype: torch.dtype) -> Compressor:
-        return self.compressor if self.compresses(seg.numel, dtype) else self.raw
 
     def reduce_scatter(self, x: torch.Tensor, segments: list[Segment], ctx: Ctx,
                        average: bool = False) -> Work[torch.Tensor]:

@@ -113,6 +113,7 @@ class Strategy:
         self.compressor = make_compressor(compressor)
         self.feedback = ErrorFeedback(self.compressor) if error_feedback else None
         self.min_numel = int(min_numel)
+        self.raw = make_compressor("none")  # for segments not worth compressing
         self.stats = ExchangeStats()
         #: the result may be written into the exchanged tensor (the DDP hook's bucket buffer,
         #: which torch's own hooks overwrite too); otherwise results are fresh tensors
@@ -136,6 +137,10 @@ class Strategy:
 
         return numel >= self.min_numel and worth_compressing(self.compressor, numel, dtype)
 
+
+    def _codec(self, seg: Segment, dtype: torch.dtype) -> Compressor:
+        """The compressor for one segment: raw (`none`) when compressing it does not pay."""
+        return self.compressor if self.compresses(seg.numel, dtype) else self.raw
     def _correct(self, x: torch.Tensor, key: str) -> torch.Tensor:
         return self.feedback.correct(x, key) if self.feedback is not None else x
 
@@ -271,10 +276,6 @@ class Allgather(Strategy):
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
                  min_numel: int = 0) -> None:
         super().__init__(backend, compressor, error_feedback, min_numel)
-        self.raw = make_compressor("none")
-
-    def _codec(self, seg: Segment, dtype: torch.dtype) -> Compressor:
-        return self.compressor if self.compresses(seg.numel, dtype) else self.raw
 
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
