@@ -235,7 +235,9 @@ def test_methods_expand_over_ratios_and_map_onto_strategies() -> None:
     (["--worlds", "0"], "world sizes"),
     (["--arch", "vgg"], "unknown arch"),
     (["--ratios", "a"], "comma-separated"),
-    (["--engine", "hsdp"], "emulated cluster with nodes"),
+    (["--engine", "hsdp"], "does not build the HSDP mesh"),
+    (["--nodes", "2", "--ranks-per-node", "0"], "--ranks-per-node must be >= 1"),
+    (["--worlds", "3", "--ranks-per-node", "2"], "do not split into nodes of 2"),
     (["--engine", "fsdp", "--methods", "powersgd:rank=2"], "powersgd needs an all-reduce"),
 ])
 def test_bad_options_fail_clearly_before_running(args: list[str], message: str, tmp_path: Path,
@@ -311,6 +313,41 @@ def test_emulated_links_are_rate_limited_and_torn_down() -> None:
         srv.wait(timeout=10)
     assert 1.5e6 < rate < 3.0e6  # 20 Mbit/s = 2.5 MB/s
     assert not names & _namespaces()
+
+
+@needs_netns
+def test_a_node_s_ranks_talk_fast_and_share_one_shaped_link() -> None:
+    """2 nodes x 2 ranks at 20 Mbit/s: inside a node the ranks share its namespace (unshaped); between
+    nodes 20 Mbit/s = 2.5 MB/s."""
+    server = textwrap.dedent("""
+        import socket, sys, time
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+        c, _ = s.accept(); n = 0; t = time.monotonic()
+        while (b := c.recv(1 << 20)):
+            n += len(b)
+        print(n / (time.monotonic() - t), flush=True)
+    """)
+    client = ("import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); "
+              "s.sendall(b'x' * (int(sys.argv[3]) << 20))")
+
+    def rate(c: EmulatedCluster, src: int, dst: int, port: int, mib: int) -> float:
+        srv = subprocess.Popen(c.prefix(dst) + [sys.executable, "-c", server, c.address(dst), str(port)],
+                               stdout=subprocess.PIPE, text=True)
+        assert srv.stdout is not None and srv.stdout.readline().strip() == "ready"
+        subprocess.run(c.prefix(src) + [sys.executable, "-c", client, c.address(dst), str(port), str(mib)],
+                       check=True, timeout=60)
+        out = float(srv.stdout.readline())
+        srv.wait(timeout=10)
+        return out
+
+    with EmulatedCluster(4, "20mbit", ranks_per_node=2) as c:
+        assert len(c.namespaces) == 3  # the switch and one per node
+        assert c.ns(0) == c.ns(1) != c.ns(2) == c.ns(3) and c.address(1) == c.address(0) != c.address(2)
+        inside = rate(c, 1, 0, 5556, 64)
+        between = rate(c, 1, 2, 5557, 6)
+    assert 1.5e6 < between < 3.0e6
+    assert inside > 20 * between
 
 
 @needs_netns

@@ -24,7 +24,9 @@ def _exchange(rank: int, world: int, spec: str, inner: str, per_node: int) -> di
     s = make_strategy("hierarchical", TorchDistBackend(), spec, error_feedback=False, inner=inner,
                       ranks_per_node=per_node)
     out = s.exchange(grad(rank), 3, Ctx(rank=rank), average=True).wait()
-    return {"out": out, "stats": s.take_stats().as_dict(), "layout": (s.node, s.local)}
+    result = {"out": out, "stats": s.take_stats().as_dict(), "layout": (s.node, s.local)}
+    torch.distributed.barrier()  # sub-groups outlive every pending callback (gloo aborts otherwise)
+    return result
 
 
 def oracle(spec: str, per_node: int, world: int = 4) -> torch.Tensor:

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worlds", default="4", help="comma list of world sizes (ranks on this machine)")
     p.add_argument("--links", default="none",
                    help="comma list: 'none' (loopback) or tbf rates such as 100mbit,1gbit (emulated cluster; root)")
+    p.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks per node: in the emulated cluster they share one namespace and one shaped link "
+                        "(fast between them, --links between nodes); the hierarchical strategy finds them")
+    p.add_argument("--nodes", type=int, default=0,
+                   help="number of nodes; sets the world size to nodes x --ranks-per-node (instead of --worlds)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=0, help="per-rank batch (0: the task's default)")
     p.add_argument("--lr", type=float, default=0.0, help="learning rate (0: the task's default)")
@@ -76,22 +81,26 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
     for link in links:
         if link != "none":
             rate_bits(link)
-    worlds = _csv(int, args.worlds)
+    if args.ranks_per_node < 1 or args.nodes < 0:
+        raise ValueError("--ranks-per-node must be >= 1 and --nodes >= 0")
+    worlds = [args.nodes * args.ranks_per_node] if args.nodes else _csv(int, args.worlds)
     if any(w < 1 for w in worlds):
         raise ValueError(f"world sizes must be >= 1, got {worlds}")
+    if any(w % args.ranks_per_node for w in worlds):
+        raise ValueError(f"world sizes {worlds} do not split into nodes of {args.ranks_per_node} ranks")
     if args.steps < 1 or args.eval_every < 1:
         raise ValueError("--steps and --eval-every must be >= 1")
     if args.min_numel < 0:
         raise ValueError("--min-numel must be >= 0")
     if args.engine == "hsdp":
-        raise ValueError("--engine hsdp needs an emulated cluster with nodes (rate limits only between nodes), "
-                         "which does not exist yet; the HSDP hook itself works (gradwire.hooks.fsdp.register with "
-                         "replicate_group=)")
+        raise ValueError("--engine hsdp is not available yet: the emulated cluster has nodes (--ranks-per-node), "
+                         "but the experiment worker does not build the HSDP mesh; the HSDP hook itself works "
+                         "(gradwire.hooks.fsdp.register with replicate_group=)")
     return Sweep(args.task, arch, args.width, [m.strip() for m in args.methods.split(",") if m.strip()],
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
                  args.error_feedback, str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None,
-                 args.min_numel, args.engine)
+                 args.min_numel, args.engine, args.ranks_per_node)
 
 
 def main(argv: list[str] | None = None) -> int:

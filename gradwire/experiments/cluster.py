@@ -1,10 +1,13 @@
-"""An emulated bandwidth-limited cluster: one network namespace per rank on a shared bridge.
+"""An emulated bandwidth-limited cluster: one network namespace per node on a shared bridge.
 
-Layout: a "switch" namespace holds a Linux bridge; each rank's namespace holds one end of a
+Layout: a "switch" namespace holds a Linux bridge; each node's namespace holds one end of a
 veth pair (its only interface besides loopback) and the other end is a bridge port. Both
-directions of every link are shaped by a `tbf` qdisc (the rank's upload on its own veth end,
-its download on the bridge port), so each rank has a full-duplex link of the given rate into
-a non-blocking switch, like hosts on one top-of-rack switch. Addresses are created for the run
+directions of every link are shaped by a `tbf` qdisc (the node's upload on its own veth end,
+its download on the bridge port), so each node has a full-duplex link of the given rate into
+a non-blocking switch, like hosts on one top-of-rack switch. The `ranks_per_node` ranks of a
+node share its namespace and address: traffic between them never leaves the node (unshaped,
+as over NVLink or shared memory), while everything they send to other nodes shares the node's
+one shaped link, as a real node's NIC. Addresses are created for the run
 in 10.213.N.0/24 and reach nothing else. `teardown()` deletes every namespace it made (which
 removes the veths and the bridge); it runs on normal exit, exceptions, Ctrl-C and SIGTERM,
 and namespaces left by a process that died are removed the next time a cluster is built.
@@ -77,10 +80,14 @@ def remove_stale() -> list[str]:
 class EmulatedCluster:
     """Context manager: `with EmulatedCluster(4, "100mbit") as c: c.prefix(r) + [python, ...]`."""
 
-    def __init__(self, world: int, rate: str, latency_ms: float = 100.0) -> None:
+    def __init__(self, world: int, rate: str, latency_ms: float = 100.0, ranks_per_node: int = 1) -> None:
         if world < 1 or world > 250:
             raise ValueError(f"emulated cluster size must be 1..250 ranks, got {world}")
+        if ranks_per_node < 1 or world % ranks_per_node:
+            raise ValueError(f"{world} ranks do not split into nodes of {ranks_per_node}")
         self.world = world
+        self.ranks_per_node = ranks_per_node
+        self.nodes = world // ranks_per_node
         self.rate = rate
         self.bits = rate_bits(rate)
         self.latency_ms = latency_ms
@@ -89,14 +96,17 @@ class EmulatedCluster:
         self.namespaces: list[str] = []
         self._old_handler: signal.Handlers | None = None
 
+    def node(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
     def ns(self, rank: int) -> str:
-        return f"{PREFIX}{self.owner}r{rank}"
+        return f"{PREFIX}{self.owner}r{self.node(rank)}"
 
     def address(self, rank: int) -> str:
-        return f"{self.subnet}.{rank + 1}"
+        return f"{self.subnet}.{self.node(rank) + 1}"
 
     def iface(self, rank: int) -> str:
-        return f"{PREFIX}{rank}a"
+        return f"{PREFIX}{self.node(rank)}a"
 
     def prefix(self, rank: int) -> list[str]:
         """Command prefix that runs a program inside rank's namespace."""
@@ -119,8 +129,9 @@ class EmulatedCluster:
         self.namespaces.append(switch)
         _run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", switch, "link", "set", "br0", "up")
-        for r in range(self.world):
-            ns, inner, outer = self.ns(r), self.iface(r), f"p{r}"
+        for node in range(self.nodes):
+            r = node * self.ranks_per_node  # the node's first rank names it
+            ns, inner, outer = self.ns(r), self.iface(r), f"p{node}"
             _run("ip", "netns", "add", ns)
             self.namespaces.append(ns)
             _run("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", switch)

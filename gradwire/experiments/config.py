@@ -98,6 +98,7 @@ class RunConfig:
     data_dir: str | None = None
     min_numel: int = 0  # tensors under this many elements are sent uncompressed (allgather/auto only)
     engine: str = "ddp"  # "ddp" or "fsdp" (FSDP2 fully_shard, gradwire's compressed reduce-scatter)
+    ranks_per_node: int = 1  # ranks sharing a node (its namespace and shaped link in the emulated cluster)
 
     def resolved(self) -> Method:
         if self.engine not in ENGINES:
@@ -117,6 +118,8 @@ class RunConfig:
             del d["min_numel"]  # added later: runs without it keep their ids and resume
         if d["engine"] == "ddp":
             del d["engine"]  # likewise
+        if d["ranks_per_node"] == 1:
+            del d["ranks_per_node"]  # likewise
         return d
 
     @property
@@ -124,4 +127,5 @@ class RunConfig:
         digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
         slug = re.sub(r"[^A-Za-z0-9.=]+", "_", self.resolved().label)
         engine = "" if self.engine == "ddp" else f"-{self.engine}"
-        return f"{self.task}-{self.arch}{self.width}-{slug}{engine}-w{self.world}-{self.link}-s{self.seed}-{digest}"
+        ranks = f"w{self.world}" if self.ranks_per_node == 1 else f"n{self.world // self.ranks_per_node}x{self.ranks_per_node}"
+        return f"{self.task}-{self.arch}{self.width}-{slug}{engine}-{ranks}-{self.link}-s{self.seed}-{digest}"

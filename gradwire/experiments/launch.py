@@ -92,6 +92,8 @@ def launch(cfg: RunConfig, run_dir: Path, cluster: EmulatedCluster | None = None
     root = source_root()
     if root is not None:
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if cfg.ranks_per_node > 1:  # what torchrun tells a node's ranks; gradwire's node detection reads it
+        env["LOCAL_WORLD_SIZE"] = str(cfg.ranks_per_node)
     if env.get("GRADWIRE_DATA_CACHE"):
         env["GRADWIRE_DATA_CACHE"] = str(Path(env["GRADWIRE_DATA_CACHE"]).resolve())
     procs: list[subprocess.Popen] = []

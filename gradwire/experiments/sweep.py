@@ -33,6 +33,7 @@ class Sweep:
     data_dir: str | None = None
     min_numel: int = 0
     engine: str = "ddp"
+    ranks_per_node: int = 1
 
     def runs(self) -> list[RunConfig]:
         out = []
@@ -42,7 +43,7 @@ class Sweep:
                     for method in expand_methods(self.methods, self.ratios):
                         cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
                                         self.lr, seed, self.eval_every, link, self.strategy, self.error_feedback,
-                                        self.data_dir, self.min_numel, self.engine)
+                                        self.data_dir, self.min_numel, self.engine, self.ranks_per_node)
                         if not cfg.uses_min_numel():  # bad method strings fail here, before anything runs
                             cfg = replace(cfg, min_numel=0)  # irrelevant to this method: same run id either way
                         out.append(cfg)
@@ -61,6 +62,8 @@ def command_for(cfg: RunConfig, out: Path) -> str:
     parts += ["--min-numel", str(cfg.min_numel)]
     if cfg.engine != "ddp":
         parts += ["--engine", cfg.engine]
+    if cfg.ranks_per_node != 1:
+        parts += ["--ranks-per-node", str(cfg.ranks_per_node)]
     return shlex.join(parts)
 
 
@@ -135,7 +138,7 @@ def describe(summary: dict[str, Any], skipped: bool) -> str:
 
 
 def run_sweep(configs: list[RunConfig], out: Path, progress: bool = True, timeout: float = 1800.0,
-              cluster_factory: Callable[[int, str], EmulatedCluster] = EmulatedCluster) -> list[dict[str, Any]]:
+              cluster_factory: Callable[..., EmulatedCluster] = EmulatedCluster) -> list[dict[str, Any]]:
     """Run every config not yet finished under `out/runs/`; return all summaries in config order."""
     out.mkdir(parents=True, exist_ok=True)
     summaries: list[dict[str, Any]] = []
@@ -151,7 +154,7 @@ def run_sweep(configs: list[RunConfig], out: Path, progress: bool = True, timeou
                 if cfg.link == "none":
                     summary = launch(cfg, run_dir, None, timeout, bar.step)
                 else:
-                    with cluster_factory(cfg.world, cfg.link) as cluster:
+                    with cluster_factory(cfg.world, cfg.link, ranks_per_node=cfg.ranks_per_node) as cluster:
                         summary = launch(cfg, run_dir, cluster, timeout, bar.step)
                 summary["elapsed_s"] = time.monotonic() - started
                 summary["command"] = command_for(cfg, out)

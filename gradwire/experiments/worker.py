@@ -178,6 +178,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
              "exchange_s": stats.get("exchange_s", 0.0), "decode_s": stats.get("decode_s", 0.0),
              "collectives": len(stats.get("buckets", {})),
              "bytes_sent": int(stats.get("bytes_sent", 0)), "bytes_received": int(stats.get("bytes_received", 0)),
+             "intra_bytes_sent": int(stats.get("intra_bytes_sent", 0)),  # of bytes_sent: inside the node
              "dense_bytes": int(stats.get("dense_bytes", 0)), "cum_bytes_sent": totals["bytes_sent"], "wall_s": wall})
         if not math.isfinite(float(loss)):
             raise FloatingPointError(f"rank {rank}: loss became {float(loss)} at step {step}")
