@@ -235,7 +235,7 @@ def test_methods_expand_over_ratios_and_map_onto_strategies() -> None:
     (["--worlds", "0"], "world sizes"),
     (["--arch", "vgg"], "unknown arch"),
     (["--ratios", "a"], "comma-separated"),
-    (["--engine", "hsdp"], "does not build the HSDP mesh"),
+    (["--engine", "hsdp"], "give --ranks-per-node >= 2"),
     (["--nodes", "2", "--ranks-per-node", "0"], "--ranks-per-node must be >= 1"),
     (["--worlds", "3", "--ranks-per-node", "2"], "do not split into nodes of 2"),
     (["--engine", "fsdp", "--methods", "powersgd:rank=2"], "powersgd needs an all-reduce"),
@@ -313,6 +313,18 @@ def test_emulated_links_are_rate_limited_and_torn_down() -> None:
         srv.wait(timeout=10)
     assert 1.5e6 < rate < 3.0e6  # 20 Mbit/s = 2.5 MB/s
     assert not names & _namespaces()
+
+
+def test_hsdp_engine_compresses_the_all_reduce_between_nodes(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks: FSDP2 shards inside a node, gradwire compresses the cross-node all-reduce."""
+    args = ["--engine", "hsdp", "--methods", "none,powersgd:rank=2", "--worlds", "4", "--ranks-per-node", "2",
+            "--steps", "6", "--eval-every", "6", "--no-progress", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    runs = {r["method"]: r for r in _rows(tmp_path / "runs.csv")}
+    assert set(runs) == {"dense", "powersgd:rank=2"}
+    assert 8 * int(runs["powersgd:rank=2"]["bytes_sent"]) < int(runs["dense"]["bytes_sent"])
+    assert all("-n2x2-" in p.name for p in (tmp_path / "runs").iterdir())
+    assert "--ranks-per-node 2" in (tmp_path / "report.md").read_text()
 
 
 @needs_netns

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "strategy: a 1%% top-k would send one value of a 64-element bias per step")
     p.add_argument("--engine", default="ddp", choices=["ddp", "fsdp", "hsdp"],
                    help="ddp: DDP + the gradwire comm hook; fsdp: FSDP2 fully_shard + gradwire's compressed "
-                        "reduce-scatter; hsdp: not available yet (needs an emulated cluster with nodes)")
+                        "reduce-scatter; hsdp: FSDP2 sharded inside each node (--ranks-per-node), gradwire's "
+                        "compressed all-reduce between nodes")
     p.add_argument("--data-dir", default=None, help="local dataset folder (cifar10: cifar-10-batches-py)")
     p.add_argument("--out", default=None, help="output folder (default: experiment-results/<task>)")
     p.add_argument("--alpha-us", type=float, default=50.0, help="per-message latency of the alpha-beta projection")
@@ -92,10 +93,8 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
         raise ValueError("--steps and --eval-every must be >= 1")
     if args.min_numel < 0:
         raise ValueError("--min-numel must be >= 0")
-    if args.engine == "hsdp":
-        raise ValueError("--engine hsdp is not available yet: the emulated cluster has nodes (--ranks-per-node), "
-                         "but the experiment worker does not build the HSDP mesh; the HSDP hook itself works "
-                         "(gradwire.hooks.fsdp.register with replicate_group=)")
+    if args.engine == "hsdp" and args.ranks_per_node < 2:
+        raise ValueError("--engine hsdp shards inside nodes and replicates across them: give --ranks-per-node >= 2")
     return Sweep(args.task, arch, args.width, [m.strip() for m in args.methods.split(",") if m.strip()],
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,

@@ -12,7 +12,7 @@ from gradwire.comm.registry import STRATEGIES
 from gradwire.compress import compressor as make_compressor, resolve_error_feedback
 
 SPARSIFIERS = ("topk", "randomk", "dgc")
-ENGINES = ("ddp", "fsdp")
+ENGINES = ("ddp", "fsdp", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class RunConfig:
         method = parse_method(self.method, self.strategy, self.error_feedback, self.min_numel)
         if self.engine == "fsdp" and method.strategy == "powersgd":
             raise ValueError("powersgd needs an all-reduce; FSDP reduce-scatters (it runs on HSDP's cross-replica "
-                             "all-reduce, which needs the node-aware cluster: --engine hsdp is not available yet)")
+                             "all-reduce: --engine hsdp --ranks-per-node G)")
         return method
 
     def uses_min_numel(self) -> bool:

@@ -52,7 +52,8 @@ def profile(summary: dict[str, Any], steps: list[dict[str, Any]]) -> Profile:
     # compute: forward + backward timed without DDP (compute_s of a step is only a lower bound,
     # since DDP overlaps the exchange with the backward pass)
     compute = summary.get("compute_ref_s", median("compute_s"))
-    return Profile(measured, summary["method"]["strategy"], cfg["world"],
+    strategy = summary["method"]["strategy"].removeprefix("hsdp-")  # HSDP: the cross-node exchange is projected
+    return Profile(measured, strategy, cfg["world"],
                    median("bytes_sent"), max(median("collectives"), 1.0), compute,
                    median("encode_s"), median("decode_s"))
 

@@ -87,16 +87,17 @@ def reference_compute(model: torch.nn.Module, task: Task, ds: Dataset, loader, r
     return statistics.median(times)
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2 on every child with parameters (the elements of a ModuleList, which has no forward), then the root."""
+def shard(model: torch.nn.Module, mesh: Any = None) -> torch.nn.Module:
+    """FSDP2 on every child with parameters (the elements of a ModuleList, which has no forward), then the root;
+    over `mesh` (HSDP: the shard dimension of a node) when given."""
     from torch.distributed.fsdp import fully_shard
 
     for child in model.children():
         parts = list(child) if isinstance(child, torch.nn.ModuleList) else [child]
         for part in parts:
             if any(p.requires_grad for p in part.parameters()):
-                fully_shard(part)
-    fully_shard(model)
+                fully_shard(part, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -125,6 +126,21 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         ddp = model = shard(model)
         state = _FSDPStats(fsdp_hook.register(model, method.compressor, error_feedback=method.error_feedback,
                                               seed=cfg.seed, min_numel=method.options.get("min_numel", 0)))
+    elif cfg.engine == "hsdp":  # shard inside a node (dense reduce-scatter), compressed all-reduce across nodes
+        bare = copy.deepcopy(model)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from gradwire.hooks import fsdp as fsdp_hook
+
+        mesh = init_device_mesh("cpu", (world // cfg.ranks_per_node, cfg.ranks_per_node),
+                                mesh_dim_names=("replicate", "shard"))
+        ddp = model = shard(model, mesh["shard"])
+        strategy = None if method.strategy in ("dense", "allreduce", "allgather") else method.strategy
+        compressor = method.compressor if method.strategy != "dense" else "none"
+        state = _FSDPStats(fsdp_hook.register(model, compressor, strategy=strategy,
+                                              replicate_group=mesh["replicate"].get_group(),
+                                              error_feedback=method.error_feedback, seed=cfg.seed,
+                                              **method.options))
     else:
         # own BatchNorm statistics per rank: buffer broadcasts would be traffic the hook does not count
         ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
@@ -150,7 +166,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
 
     def log_eval(step: int) -> dict[str, float]:
         # FSDP's forward all-gathers parameters: every rank evaluates, rank 0 records
-        metrics = evaluate(model, task, ds) if rank == 0 or cfg.engine == "fsdp" else {}
+        metrics = evaluate(model, task, ds) if rank == 0 or cfg.engine != "ddp" else {}
         log({"type": "eval", "step": step, "epoch": epochs(step), "wall_s": wall,
              "cum_bytes_sent": totals["bytes_sent"], **metrics})
         return metrics
@@ -184,7 +200,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
             raise FloatingPointError(f"rank {rank}: loss became {float(loss)} at step {step}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics = log_eval(step)
-    compute_ref = reference_compute(bare if cfg.engine == "fsdp" else model, task, ds, loader)
+    compute_ref = reference_compute(bare if cfg.engine != "ddp" else model, task, ds, loader)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, totals)
     if records is not None:
@@ -195,6 +211,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
     method_record = vars(cfg.resolved())
     if cfg.engine == "fsdp":  # the FSDP hook has one exchange: torch's reduce-scatter for dense, else alltoall
         method_record = dict(method_record, strategy="reduce_scatter" if method.compressor == "none" else "alltoall")
+    elif cfg.engine == "hsdp":  # counted: the cross-node all-reduce (the reduce-scatter in a node is FSDP's own)
+        method_record = dict(method_record, strategy=f"hsdp-{method.strategy}")
     summary = {"run_id": cfg.run_id, "config": cfg.to_dict(), "method": method_record,
                "params": params, "data": digest(ds), "final": metrics,
                "bytes_sent_per_rank": [r["bytes_sent"] for r in per_rank],
