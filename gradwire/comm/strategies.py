@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -222,30 +222,30 @@ class Allreduce(Strategy):
                 self._remember(seg.key, corrected, self.compressor.from_summable(payload.clone(), corrected, sctx))
             payloads.append(payload)
         sizes = [p.numel() for p in payloads]
-        payload = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
-        if average:
-            payload.div_(self.backend.world_size)
-        t1 = time.perf_counter()
-        self.stats.encode_s += t1 - t0
-        nbytes = payload.numel() * payload.element_size()
-        self._count(key, x, nbytes, nbytes * (self.backend.world_size - 1))
 
-        def finish(summed: torch.Tensor) -> torch.Tensor:
-            t2 = time.perf_counter()
-            self.stats.exchange_s += t2 - t1
+        def decode(summed: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(x)
             for seg, part in zip(segs, torch.split(summed, sizes)):
                 seg.of(out).copy_(self.compressor.from_summable(part, seg.of(x), segment_ctx(ctx, seg)))
-            self.stats.decode_s += time.perf_counter() - t2
             return out
 
-        return self.backend.allreduce(payload).then(finish)
+        return self._send(x, key, payloads[0] if len(payloads) == 1 else torch.cat(payloads), average, t0, decode)
 
     def _whole(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool, t0: float) -> Work[torch.Tensor]:
         """An elementwise cast without error feedback: the bucket converted at once (the same
         bits as segment by segment), as torch's fp16 hook does, and widened into x's memory
         on the way back: no per-segment work, no concatenation, no fresh output."""
-        payload = self.compressor.to_summable(x, ctx)
+
+        def decode(summed: torch.Tensor) -> torch.Tensor:
+            if self.into_input and not x.is_cuda:  # (CUDA: gradwire's cast kernel sets NaN bits)
+                return x.copy_(summed.view(x.shape))
+            return self.compressor.from_summable(summed, x, ctx)
+
+        return self._send(x, key, self.compressor.to_summable(x, ctx), average, t0, decode)
+
+    def _send(self, x: torch.Tensor, key: int | str, payload: torch.Tensor, average: bool, t0: float,
+              decode: Callable[[torch.Tensor], torch.Tensor]) -> Work[torch.Tensor]:
+        """Divide the payload first (as torch's hooks do), allreduce it, `decode` the sum; timed and counted."""
         if average:
             payload.div_(self.backend.world_size)
         t1 = time.perf_counter()
@@ -256,10 +256,7 @@ class Allreduce(Strategy):
         def finish(summed: torch.Tensor) -> torch.Tensor:
             t2 = time.perf_counter()
             self.stats.exchange_s += t2 - t1
-            if self.into_input and not x.is_cuda:  # (CUDA: gradwire's cast kernel sets NaN bits)
-                out = x.copy_(summed.view(x.shape))
-            else:
-                out = self.compressor.from_summable(summed, x, ctx)
+            out = decode(summed)
             self.stats.decode_s += time.perf_counter() - t2
             return out
 
