@@ -47,3 +47,35 @@ def test_auto_choices_follow_the_model_and_agree_across_ranks():
     assert a["gamma"] == b["gamma"] and all(g > 0 for g in a["gamma"])
     assert a["measured_choice"] == b["measured_choice"]
     assert torch.equal(a["total"], b["total"])
+
+
+def _nodes(rank: int, world: int) -> dict:
+    backend = TorchDistBackend()
+    sizes = [1 << 18, 1 << 10]
+    common = dict(gamma_encode=1e-9, gamma_decode=1e-9, ranks_per_node=2)
+    slow_between = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, intra_alpha=1e-6, intra_beta=1e-11,
+                        **common)
+    fast_everywhere = Auto(backend, "topk:ratio=0.01", alpha=1e-6, beta=1e-12, intra_alpha=1e-6, intra_beta=1e-12,
+                           gamma_encode=1e-7, gamma_decode=1e-7, ranks_per_node=2)
+    measured = Auto(backend, "topk:ratio=0.01", ranks_per_node=2)
+    x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(rank))
+    total = measured.exchange(x, 0, Ctx(rank=rank), average=False).wait()
+    out = {"slow_between": slow_between.choose(sizes, torch.float32),
+           "fast": fast_everywhere.choose(sizes, torch.float32),
+           "times": slow_between.predict(sizes, torch.float32), "measured_choice": measured.choice,
+           "models": (measured.intra_model, measured.inter_model), "total": total}
+    torch.distributed.barrier()  # the sub-groups outlive every pending callback
+    return out
+
+
+def test_auto_on_two_nodes_weighs_hierarchical_and_bf16_and_agrees_across_ranks():
+    results = run_ranks(_nodes, 4, timeout=600)
+    a = results[0]
+    assert {"dense", "bf16", "allgather", "hierarchical"} <= set(a["times"])
+    assert a["times"]["bf16"] < a["times"]["dense"]  # half the bytes on the same links
+    assert a["slow_between"] == "hierarchical"  # fast links inside, slow between: compress only between
+    assert a["fast"] in ("dense", "bf16")  # a free wire and costly compression: stay dense
+    for r in results[1:]:
+        assert r["measured_choice"] == a["measured_choice"] and r["models"] == a["models"]
+        assert torch.equal(r["total"], a["total"])
+    assert all(m.alpha > 0 and m.beta > 0 for m in a["models"])

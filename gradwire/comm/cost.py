@@ -124,10 +124,13 @@ class Auto(Strategy):
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
                  alpha: float | None = None, beta: float | None = None,
-                 gamma_encode: float | None = None, gamma_decode: float | None = None, min_numel: int = 0) -> None:
+                 gamma_encode: float | None = None, gamma_decode: float | None = None, min_numel: int = 0,
+                 ranks_per_node: int | None = None, intra_alpha: float | None = None,
+                 intra_beta: float | None = None) -> None:
         super().__init__(backend, compressor, error_feedback=False, min_numel=min_numel)
-        if (alpha is None) != (beta is None):
-            raise ValueError("give both alpha and beta to override the measured cost model, or neither")
+        if (alpha is None) != (beta is None) or (intra_alpha is None) != (intra_beta is None):
+            raise ValueError("give both alpha and beta (intra_alpha and intra_beta) to override the measured "
+                             "cost model, or neither")
         if (gamma_encode is None) != (gamma_decode is None):
             raise ValueError("give both gamma_encode and gamma_decode, or neither")
         c = self.compressor
@@ -148,6 +151,22 @@ class Auto(Strategy):
 
             self.subs["artopk"] = ARTopK(backend, c, error_feedback)
             self.subs["oktopk"] = OkTopK(backend, c, error_feedback)
+        self.intra_model: CostModel | None = None
+        per_node = ranks_per_node or _launcher_local_size()
+        if per_node is not None and 1 < per_node < backend.world_size:  # several nodes of several ranks
+            from .hierarchical import Hierarchical
+
+            h = Hierarchical(backend, c, error_feedback, ranks_per_node=per_node, min_numel=min_numel)
+            self.subs["hierarchical"] = h
+            self.subs["bf16"] = Allreduce(backend, "bf16", error_feedback=False)  # the cheap dense baseline
+            if intra_alpha is not None:
+                self.intra_model = CostModel(intra_alpha, intra_beta)  # type: ignore[arg-type]
+            else:  # each node measures its own links; all ranks then hold the average
+                self.intra_model = _agreed(backend, measure(h.intra))
+            self.inter_model = CostModel(alpha, beta) if alpha is not None else _agreed(backend, measure(h.inter))
+            log.info("gradwire auto: %d nodes x %d ranks; intra alpha=%.3g beta=%.3g, inter alpha=%.3g beta=%.3g",
+                     backend.world_size // per_node, per_node, self.intra_model.alpha, self.intra_model.beta,
+                     self.inter_model.alpha, self.inter_model.beta)
 
     def predict(self, sizes: list[int], dtype: torch.dtype) -> dict[str, float]:
         """Modelled seconds of each candidate for exchanging tensors of these sizes."""
@@ -168,6 +187,13 @@ class Auto(Strategy):
             k = sum(self.compressor.value_count(n) for n in sizes)  # type: ignore[attr-defined]
             times["artopk"] = m.broadcast(8 * k, world) + m.allreduce(k * item + item, world) + numel * (enc + dec)
             times["oktopk"] = oktopk_seconds(m, k, item, world) + numel * (enc + dec)
+        if self.intra_model is not None:  # dense inside a node; only a node's share crosses the slow links
+            g = self.subs["hierarchical"].intra.world_size  # type: ignore[attr-defined]
+            nodes, intra = world // g, self.intra_model
+            times["bf16"] = m.allreduce(numel * 2, world)  # the cast itself is taken as free
+            times["hierarchical"] = (intra.alltoall(dense * (g - 1) // g, g) + intra.allgather(dense // g, g)
+                                     + self.inter_model.allgather(est // g, nodes, sized=static)
+                                     + numel // g * (enc + nodes * dec))
         return times
 
     def choose(self, sizes: list[int], dtype: torch.dtype) -> str:
@@ -206,3 +232,19 @@ def oktopk_seconds(m: CostModel, k: int, item: int, world: int) -> float:
     allgatherv of about k/P kept pairs each (a value and a bit-packed index, ~2 bytes)."""
     pair = 2 + item
     return m.alltoall(k * pair * (world - 1) // world, world) + m.allgather(k * pair // world + 12, world, sized=False)
+
+
+def _launcher_local_size() -> int | None:
+    """Ranks per node as the launcher says (torchrun's LOCAL_WORLD_SIZE, Open MPI's local size)."""
+    import os
+
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    return int(value) if value else None
+
+
+def _agreed(backend: Backend, model: CostModel) -> CostModel:
+    """The average of every rank's model, so all ranks choose alike."""
+    t = torch.tensor([model.alpha, model.beta], dtype=torch.float64)
+    backend.allreduce(t).wait()
+    alpha, beta = (t / backend.world_size).tolist()
+    return CostModel(alpha, beta)
