@@ -24,6 +24,7 @@ import torch
 
 from ..compress import Compressor, Ctx
 from .backend import Backend, Work
+from .hierarchical import Hierarchical, launcher_ranks_per_node
 from .strategies import Allgather, Allreduce, ARTopK, DenseAllreduce, ExchangeStats, Strategy, segments_of
 
 log = logging.getLogger("gradwire")
@@ -114,8 +115,9 @@ def worth_compressing(c: Compressor, numel: int, dtype: torch.dtype) -> bool:
 class Auto(Strategy):
     """Summable compressors (none, fp16, bf16, randomk) are allreduced, as torch's hooks do:
     nothing is cheaper on the wire and the sums match torch's bit for bit. For the others, the
-    cheapest of dense allreduce, allgather of packets and (for plain top-k) AR-top-k, by the
-    cost model. The choice is made once, from the sizes of all the tensors exchanged
+    cheapest of dense allreduce, allgather of packets and (for plain top-k) AR-top-k and
+    oktopk, by the cost model; on several nodes of several ranks also a bf16 allreduce and
+    `hierarchical`, with the links inside and between nodes measured apart. The choice is made once, from the sizes of all the tensors exchanged
     (`plan_sizes`, set by the DDP hook from the model's parameters) or else from the first
     bucket, so it is the same on every rank and does not depend on how tensors are grouped
     into buckets."""
@@ -152,10 +154,8 @@ class Auto(Strategy):
             self.subs["artopk"] = ARTopK(backend, c, error_feedback)
             self.subs["oktopk"] = OkTopK(backend, c, error_feedback)
         self.intra_model: CostModel | None = None
-        per_node = ranks_per_node or _launcher_local_size()
+        per_node = ranks_per_node or launcher_ranks_per_node()
         if per_node is not None and 1 < per_node < backend.world_size:  # several nodes of several ranks
-            from .hierarchical import Hierarchical
-
             h = Hierarchical(backend, c, error_feedback, ranks_per_node=per_node, min_numel=min_numel)
             self.subs["hierarchical"] = h
             self.subs["bf16"] = Allreduce(backend, "bf16", error_feedback=False)  # the cheap dense baseline
@@ -232,14 +232,6 @@ def oktopk_seconds(m: CostModel, k: int, item: int, world: int) -> float:
     allgatherv of about k/P kept pairs each (a value and a bit-packed index, ~2 bytes)."""
     pair = 2 + item
     return m.alltoall(k * pair * (world - 1) // world, world) + m.allgather(k * pair // world + 12, world, sized=False)
-
-
-def _launcher_local_size() -> int | None:
-    """Ranks per node as the launcher says (torchrun's LOCAL_WORLD_SIZE, Open MPI's local size)."""
-    import os
-
-    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    return int(value) if value else None
 
 
 def _agreed(backend: Backend, model: CostModel) -> CostModel:

@@ -38,11 +38,16 @@ from .strategies import ExchangeStats, Strategy, segments_of
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
+def launcher_ranks_per_node() -> int | None:
+    """Ranks per node as the launcher says (torchrun's LOCAL_WORLD_SIZE, Open MPI's local size)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    return int(value) if value else None
+
+
 def node_layout(backend: Backend, ranks_per_node: int | None = None) -> tuple[int, int, int]:
     """(node index, local rank, ranks per node) of this rank, the same view on every rank."""
     world, rank = backend.world_size, backend.rank
-    env = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    size = ranks_per_node if ranks_per_node is not None else int(env) if env else None
+    size = ranks_per_node if ranks_per_node is not None else launcher_ranks_per_node()
     if size is not None:
         views = backend.allgather_object(int(size))
         if len(set(views)) > 1:

@@ -10,8 +10,8 @@ by default at once when no per-parameter state is kept (so `register(ddp, "fp16"
 `fp16_compress_hook` bit for bit, and `"none"` DDP's own allreduce), else after two dense
 iterations (DDP rebuilds its buckets after the first, so per-parameter state is keyed reliably
 only from the second). Buckets whose packet would not be smaller than dense are allreduced;
-error feedback is kept per parameter. At the first call the ranks compare a fingerprint of their config and all raise
-if they differ, instead of hanging or silently diverging.
+error feedback is kept per parameter. At the first call the ranks compare a fingerprint of
+their config and all raise if they differ, instead of hanging or silently diverging.
 
 Compression, randomness and error feedback work per parameter (keyed by its name), so
 results do not depend on how DDP groups parameters into buckets — DDP regroups after its
@@ -65,7 +65,8 @@ class GradwireState:
         if strategy == "powersgd" and error_feedback == "auto":
             error_feedback = True  # PowerSGD's own error feedback, on by default as in torch's powerSGD_hook
         self.error_feedback = resolve_error_feedback(error_feedback, c)
-        stateful = self.error_feedback or strategy in ("powersgd", "artopk", "oktopk") or (strategy == "auto" and not c.summable)
+        stateful = (self.error_feedback or strategy in ("powersgd", "artopk", "oktopk", "hierarchical")
+                    or (strategy == "auto" and not c.summable))
         self.start_iter = (2 if stateful else 0) if start_iter is None else int(start_iter)
         self.seed = int(seed)
         self.strategy_options = dict(strategy_options)
