@@ -83,6 +83,10 @@ class Hierarchical(Strategy):
         self.inter = backend.split(self.local, self.node)
         self.inner = make_strategy(inner, self.inter, self.compressor, error_feedback, **inner_options)
 
+    def set_compressor(self, c: Compressor) -> None:
+        super().set_compressor(c)
+        self.inner.set_compressor(c)
+
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         t0 = time.perf_counter()

@@ -124,6 +124,12 @@ class Strategy:
         """Sum (or mean) of the flat bucket x over ranks. `shapes`/`keys` name its segments."""
         raise NotImplementedError
 
+    def set_compressor(self, c: Compressor) -> None:
+        """Use `c` from now on, keeping error feedback's residuals (a density schedule changes k per step)."""
+        self.compressor = c
+        if self.feedback is not None:
+            self.feedback.compressor = c
+
     def take_stats(self) -> ExchangeStats:
         """This step's statistics; starts a fresh record."""
         stats, self.stats = self.stats, ExchangeStats()

@@ -56,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-numel", type=int, default=1024,
                    help="tensors with fewer elements (biases, small layers) are sent uncompressed by the allgather "
                         "strategy: a 1%% top-k would send one value of a 64-element bias per step")
+    p.add_argument("--start-iter", type=int, default=-1,
+                   help="dense steps before compression starts (-1: the hook's default: 2 with error feedback "
+                        "or PowerSGD, else 0)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="density warm-up (DGC): over this many steps after --start-iter a sparsifier's ratio "
+                        "decays exponentially from 25%% to its own")
+    p.add_argument("--precondition", default="auto",
+                   help="'adam': compressed methods send Adam's direction (each rank's own moments) and train with "
+                        "plain SGD, so error feedback delays Adam's steps instead of shrinking them; 'none'; "
+                        "'auto': the task's default (charlm: adam; others: none). Dense runs use the task's optimizer")
     p.add_argument("--engine", default="ddp", choices=["ddp", "fsdp", "hsdp"],
                    help="ddp: DDP + the gradwire comm hook; fsdp: FSDP2 fully_shard + gradwire's compressed "
                         "reduce-scatter; hsdp: FSDP2 sharded inside each node (--ranks-per-node), gradwire's "
@@ -93,13 +103,21 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
         raise ValueError("--steps and --eval-every must be >= 1")
     if args.min_numel < 0:
         raise ValueError("--min-numel must be >= 0")
+    if args.precondition not in ("auto", "none"):
+        from gradwire.hooks.precondition import make_preconditioner
+
+        make_preconditioner(args.precondition)  # a bad spec fails before anything runs
+    if args.start_iter < -1 or args.warmup < 0:
+        raise ValueError("--start-iter must be >= -1 and --warmup >= 0")
     if args.engine == "hsdp" and args.ranks_per_node < 2:
         raise ValueError("--engine hsdp shards inside nodes and replicates across them: give --ranks-per-node >= 2")
     return Sweep(args.task, arch, args.width, [m.strip() for m in args.methods.split(",") if m.strip()],
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
                  args.error_feedback, str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None,
-                 args.min_numel, args.engine, args.ranks_per_node)
+                 args.min_numel, args.engine, args.ranks_per_node, args.start_iter, args.warmup,
+                 task.precondition if args.precondition == "auto" else "" if args.precondition == "none"
+                 else args.precondition)
 
 
 def main(argv: list[str] | None = None) -> int:

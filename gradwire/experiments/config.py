@@ -99,15 +99,32 @@ class RunConfig:
     min_numel: int = 0  # tensors under this many elements are sent uncompressed (allgather/auto only)
     engine: str = "ddp"  # "ddp" or "fsdp" (FSDP2 fully_shard, gradwire's compressed reduce-scatter)
     ranks_per_node: int = 1  # ranks sharing a node (its namespace and shaped link in the emulated cluster)
+    start_iter: int = -1  # dense steps before compression starts (-1: the hook's default, 2 with state)
+    warmup: int = 0  # steps over which a sparsifier's ratio decays from 25% to its own (DGC's warm-up)
+    precondition: str = ""  # "adam": Adam's direction is compressed, the optimizer is SGD (hooks/precondition.py)
 
     def resolved(self) -> Method:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         method = parse_method(self.method, self.strategy, self.error_feedback, self.min_numel)
+        if self.engine != "ddp" and (self.start_iter >= 0 or self.warmup or self.precondition):
+            raise ValueError("--start-iter, --warmup and --precondition are options of the DDP hook (--engine ddp)")
         if self.engine == "fsdp" and method.strategy == "powersgd":
             raise ValueError("powersgd needs an all-reduce; FSDP reduce-scatters (it runs on HSDP's cross-replica "
                              "all-reduce: --engine hsdp --ranks-per-node G)")
         return method
+
+    def hook_options(self) -> dict[str, Any]:
+        """The hook's own options this run sets (dense first steps, density warm-up)."""
+        method = self.resolved()
+        opts: dict[str, Any] = {}
+        if self.start_iter >= 0 and method.strategy != "dense":
+            opts["start_iter"] = self.start_iter
+        if self.warmup and method.strategy != "dense":
+            opts["warmup"] = self.warmup
+        if self.precondition and method.strategy != "dense":
+            opts["precondition"] = self.precondition
+        return opts
 
     def uses_min_numel(self) -> bool:
         return "min_numel" in self.resolved().options
@@ -118,8 +135,9 @@ class RunConfig:
             del d["min_numel"]  # added later: runs without it keep their ids and resume
         if d["engine"] == "ddp":
             del d["engine"]  # likewise
-        if d["ranks_per_node"] == 1:
-            del d["ranks_per_node"]  # likewise
+        for name, default in (("ranks_per_node", 1), ("start_iter", -1), ("warmup", 0), ("precondition", "")):
+            if d[name] == default:
+                del d[name]  # likewise
         return d
 
     @property

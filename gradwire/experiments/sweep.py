@@ -34,6 +34,9 @@ class Sweep:
     min_numel: int = 0
     engine: str = "ddp"
     ranks_per_node: int = 1
+    start_iter: int = -1
+    warmup: int = 0
+    precondition: str = ""
 
     def runs(self) -> list[RunConfig]:
         out = []
@@ -43,9 +46,12 @@ class Sweep:
                     for method in expand_methods(self.methods, self.ratios):
                         cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
                                         self.lr, seed, self.eval_every, link, self.strategy, self.error_feedback,
-                                        self.data_dir, self.min_numel, self.engine, self.ranks_per_node)
+                                        self.data_dir, self.min_numel, self.engine, self.ranks_per_node,
+                                        self.start_iter, self.warmup, self.precondition)
                         if not cfg.uses_min_numel():  # bad method strings fail here, before anything runs
                             cfg = replace(cfg, min_numel=0)  # irrelevant to this method: same run id either way
+                        if cfg.resolved().strategy == "dense":
+                            cfg = replace(cfg, start_iter=-1, warmup=0, precondition="")  # likewise
                         out.append(cfg)
         return out
 
@@ -64,6 +70,11 @@ def command_for(cfg: RunConfig, out: Path) -> str:
         parts += ["--engine", cfg.engine]
     if cfg.ranks_per_node != 1:
         parts += ["--ranks-per-node", str(cfg.ranks_per_node)]
+    if cfg.start_iter >= 0:
+        parts += ["--start-iter", str(cfg.start_iter)]
+    if cfg.warmup:
+        parts += ["--warmup", str(cfg.warmup)]
+    parts += ["--precondition", cfg.precondition or "none"]  # explicit: the task's default may change
     return shlex.join(parts)
 
 

@@ -42,6 +42,7 @@ class Task:
     default_lr: float
     default_batch: int  # per rank
     optimizer: str = "sgd"  # "sgd" (momentum 0.9) or "adam"
+    precondition: str = ""  # compressed methods' default (--precondition auto): "adam" for the Adam-trained LM
 
 
 # ---- mnist1d ---------------------------------------------------------------------------
@@ -220,7 +221,7 @@ def cifar10_model(arch: str, width: int) -> nn.Module:
 
 TASKS: dict[str, Task] = {
     "mnist1d": Task("mnist1d", "accuracy", load_mnist1d, mnist1d_model, "cnn", 0.05, 32),
-    "charlm": Task("charlm", "perplexity", load_charlm, charlm_model, "transformer", 0.003, 16, "adam"),
+    "charlm": Task("charlm", "perplexity", load_charlm, charlm_model, "transformer", 0.003, 16, "adam", "adam"),
     "cifar10": Task("cifar10", "accuracy", load_cifar10, cifar10_model, "resnet20", 0.05, 32),
 }
 

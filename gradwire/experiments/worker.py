@@ -50,7 +50,10 @@ def evaluate(model: torch.nn.Module, task: Task, ds: Dataset, batch: int = 1000)
     return out
 
 
-def make_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(task: Task, model: torch.nn.Module, lr: float, preconditioned: bool = False) -> torch.optim.Optimizer:
+    """The task's optimizer; plain SGD when the hook already applies Adam (`precondition`)."""
+    if preconditioned:
+        return torch.optim.SGD(model.parameters(), lr=lr)
     if task.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=lr)
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -145,8 +148,9 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         # own BatchNorm statistics per rank: buffer broadcasts would be traffic the hook does not count
         ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
         state = gradwire.hooks.ddp.register(ddp, method.compressor, strategy=method.strategy,
-                                            error_feedback=method.error_feedback, seed=cfg.seed, **method.options)
-    opt = make_optimizer(task, ddp, cfg.lr)
+                                            error_feedback=method.error_feedback, seed=cfg.seed,
+                                            **cfg.hook_options(), **method.options)
+    opt = make_optimizer(task, ddp, cfg.lr, "precondition" in cfg.hook_options())
     # cosine decay to zero over the run: final accuracies settle instead of riding the noise of a constant lr
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
     records = open(run_dir / "steps.jsonl", "w") if rank == 0 else None

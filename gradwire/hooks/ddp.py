@@ -9,8 +9,14 @@ randomk, qsgd, terngrad); see `Compressor.feedback_helps`. Compression starts at
 by default at once when no per-parameter state is kept (so `register(ddp, "fp16")` is torch's
 `fp16_compress_hook` bit for bit, and `"none"` DDP's own allreduce), else after two dense
 iterations (DDP rebuilds its buckets after the first, so per-parameter state is keyed reliably
-only from the second). Buckets whose packet would not be smaller than dense are allreduced;
-error feedback is kept per parameter. At the first call the ranks compare a fingerprint of
+only from the second). `warmup=N` (sparsifiers with `ratio=`, on the allgather, allreduce and
+hierarchical strategies) is DGC's density warm-up: the first N compressed steps keep a ratio decaying
+exponentially from `warmup_ratio` (25%) to the compressor's own (`last_stats["density"]`).
+`precondition="adam"` moves Adam before the exchange (hooks/precondition.py: each rank sends
+Adam's direction from its own moments; pair it with `torch.optim.SGD(params, lr)`, no momentum),
+so error feedback delays Adam's steps instead of shrinking them: the setting for Adam-trained LMs.
+Buckets whose packet would not be smaller than dense are allreduced; error feedback is kept
+per parameter. At the first call the ranks compare a fingerprint of
 their config and all raise if they differ, instead of hanging or silently diverging.
 
 Compression, randomness and error feedback work per parameter (keyed by its name), so
@@ -44,12 +50,15 @@ import torch.distributed as dist
 
 from ..comm.backend import Work
 from ..comm.registry import make_strategy
-from ..comm.strategies import DenseAllreduce, Strategy
+from ..comm.strategies import DenseAllreduce, Strategy, segments_of
 from ..comm.torch_dist import TorchDistBackend
 from ..compress import Ctx, compressor as make_compressor, resolve_error_feedback
+from ..compress.schedule import warmup_ratio, with_ratio
 from ..errors import ConfigMismatchError
+from .precondition import make_preconditioner
 
 
+WARMUP_STRATEGIES = ("allgather", "allreduce", "hierarchical")  # strategies that swap their compressor per step
 
 
 class GradwireState:
@@ -58,8 +67,20 @@ class GradwireState:
     def __init__(self, compressor: str = "topk:ratio=0.01", strategy: str = "auto",
                  process_group: dist.ProcessGroup | None = None, error_feedback: bool | str = "auto",
                  start_iter: int | None = None, seed: int = 0, model: torch.nn.Module | None = None,
+                 warmup: int = 0, warmup_ratio: float = 0.25, precondition: str | None = None,
                  **strategy_options: Any) -> None:
         c = make_compressor(compressor)
+        self.preconditioner = make_preconditioner(precondition)
+        self.precondition = str(self.preconditioner) if self.preconditioner is not None else ""
+        self.warmup, self.warmup_ratio = int(warmup), float(warmup_ratio)
+        if self.warmup < 0 or not 0.0 < self.warmup_ratio <= 1.0:
+            raise ValueError(f"warmup must be >= 0 and 0 < warmup_ratio <= 1, got {warmup}, {warmup_ratio}")
+        if self.warmup:
+            with_ratio(c, c.ratio if "ratio" in c.get_config() else 1.0)  # a sparsifier with ratio=, or raise
+            if strategy not in WARMUP_STRATEGIES:
+                raise ValueError(f"warmup works on the {', '.join(WARMUP_STRATEGIES)} strategies, not {strategy!r}")
+        self._final = c
+        self._tuned = -1  # the step whose warm-up compressor the strategy holds
         self.compressor = str(c)
         self.strategy_name = strategy
         if strategy == "powersgd" and error_feedback == "auto":
@@ -103,11 +124,17 @@ class GradwireState:
     def fingerprint(self) -> int:
         desc = f"{self.compressor}|{self.strategy_name}|{self.error_feedback}|{self.start_iter}|{self.seed}|" \
                f"{sorted(self.strategy_options.items())}"
+        if self.warmup:  # (only then: fingerprints of states saved before warm-up existed stay valid)
+            desc += f"|warmup={self.warmup},{self.warmup_ratio}"
+        if self.precondition:
+            desc += f"|precondition={self.precondition}"
         return zlib.crc32(desc.encode())
 
     def describe(self) -> str:
         return (f"compressor={self.compressor!r} strategy={self.strategy_name!r} error_feedback={self.error_feedback} "
-                f"start_iter={self.start_iter} seed={self.seed} options={self.strategy_options}")
+                f"start_iter={self.start_iter} seed={self.seed} warmup={self.warmup},{self.warmup_ratio} "
+                f"precondition={self.precondition!r} "
+                f"options={self.strategy_options}")
 
     # ---- lazily built pieces -------------------------------------------------------
     @property
@@ -150,21 +177,40 @@ class GradwireState:
         """Close one step's statistics (runs when its last bucket's exchange completes)."""
         merged = self.strategy.take_stats().merge(self.dense.take_stats()).as_dict()
         merged["iter"] = step
+        config = self._final.get_config()
+        if step >= self.start_iter and "ratio" in config and config.get("k") is None:
+            merged["density"] = self.density(step)
         self.last_stats = merged
         self.history.append(merged)
+
+    def density(self, step: int) -> float:
+        """The sparsifier's ratio at hook step `step` (the warm-up's, then the compressor's own)."""
+        final = self._final.ratio
+        return warmup_ratio(final, step - self.start_iter, self.warmup, self.warmup_ratio) if self.warmup else final
+
+    def _tune(self, step: int) -> None:
+        """During the warm-up, give the strategy this step's compressor (once per step)."""
+        if self.warmup and step <= self.start_iter + self.warmup and self._tuned != step:
+            self.strategy.set_compressor(with_ratio(self._final, self.density(step)))
+            self._tuned = step
 
     # ---- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         strategy_state = self._strategy.state_dict() if self._strategy is not None else self._pending_state
-        return {"fingerprint": self.fingerprint(), "iter": self.iter, "strategy": strategy_state,
+        pre = self.preconditioner.state_dict() if self.preconditioner is not None else None
+        return {"fingerprint": self.fingerprint(), "iter": self.iter, "strategy": strategy_state, "precondition": pre,
                 "config": {"compressor": self.compressor, "strategy": self.strategy_name,
                            "error_feedback": self.error_feedback, "start_iter": self.start_iter,
-                           "seed": self.seed, "strategy_options": self.strategy_options}}
+                           "seed": self.seed, "warmup": self.warmup, "warmup_ratio": self.warmup_ratio,
+                           "precondition": self.precondition,
+                           "strategy_options": self.strategy_options}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["fingerprint"] != self.fingerprint():
             raise ValueError(f"checkpoint was saved with {state['config']}, this hook has {self.describe()}")
         self.iter = int(state["iter"])
+        if self.preconditioner is not None:
+            self.preconditioner.load_state_dict(state["precondition"])
         if state["strategy"] is not None:
             if self._strategy is not None:
                 self._strategy.load_state_dict(state["strategy"])
@@ -184,6 +230,7 @@ class GradwireState:
         self._dense = None
         self._checked = False
         self._param_names = {}
+        self._tuned = -1
 
 
 def gradwire_hook(state: GradwireState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -192,9 +239,17 @@ def gradwire_hook(state: GradwireState, bucket: dist.GradBucket) -> torch.future
     key = bucket.index()
     if not state._checked:  # first call, before any collective: configs may differ even in start_iter
         state._check_config()
+    if state.preconditioner is not None:  # every step, dense ones too: the optimizer is plain SGD
+        keys = state.keys_of(bucket)
+        if keys is None:
+            raise ValueError("precondition= keeps Adam moments per parameter: register the hook with register() "
+                             "or GradwireState(..., model=ddp)")
+        for seg in segments_of(buffer, key, [p.shape for p in bucket.parameters()], keys):
+            state.preconditioner.apply_(seg.of(buffer), seg.key)
     if state.iter < state.start_iter:
         work: Work[torch.Tensor] = state.dense.exchange(buffer, key, Ctx(), average=True)
     else:
+        state._tune(state.iter)
         ctx = Ctx(seed=state.seed, step=state.iter, rank=state.backend.rank, key=key)
         shapes = [p.shape for p in bucket.parameters()]
         work = state.strategy.exchange(buffer, key, ctx, average=True, shapes=shapes, keys=state.keys_of(bucket))

@@ -1,0 +1,100 @@
+"""The LM settings of the DDP hook on real 2-rank gloo groups: DGC's density warm-up and Adam
+moved before the exchange (`precondition="adam"`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradwire import compressor as make_compressor
+from gradwire.compress.schedule import warmup_ratio, with_ratio
+from gradwire.hooks import ddp as gw_ddp
+from multiproc import run_ranks
+
+SPEC = "topk:ratio=0.01,indices=raw"  # raw indices: packet sizes follow from k alone
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)  # no biases: every tensor is large enough to be compressed at any ratio here
+    return nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 64, bias=False), nn.ReLU(),
+                         nn.Linear(64, 4, bias=False))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 32, generator=g)
+    return x, x[:, :4] * 2
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int) -> list[torch.Tensor]:
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _warmup(rank: int, world: int) -> dict:
+    # one bucket: a step's statistics close when its last bucket completes, and with several buckets
+    # an earlier one may complete later and count in the next step
+    model = DDP(make_model())
+    state = gw_ddp.register(model, SPEC, strategy="allgather", warmup=5)
+    final = train(model, torch.optim.SGD(model.parameters(), lr=0.05), rank, 10)
+    sizes = [p.numel() for p in model.parameters()]
+    return {"history": state.history, "sizes": sizes, "params": final, "start": state.start_iter}
+
+
+def test_density_warmup_sends_the_scheduled_ratio_each_step():
+    results = run_ranks(_warmup, 2)
+    r = results[0]
+    assert all(torch.equal(a, b) for a, b in zip(r["params"], results[1]["params"]))
+    c = make_compressor(SPEC)
+    compressed = [h for h in r["history"] if h["iter"] >= r["start"]]
+    assert [h["iter"] for h in compressed] == list(range(2, 10))
+    for h in compressed:
+        t = h["iter"] - r["start"]
+        ratio = warmup_ratio(0.01, t, 5)
+        assert h["density"] == pytest.approx(ratio)
+        # one int64 length per segment, then each tensor's top-k packet at this step's ratio
+        expected = 8 * len(r["sizes"]) + sum(with_ratio(c, ratio).static_size(n) for n in r["sizes"])
+        assert h["bytes_sent"] == expected, (h["iter"], ratio)
+    assert compressed[0]["density"] == pytest.approx(0.25)
+    assert compressed[-1]["density"] == 0.01 and compressed[-1]["bytes_sent"] < compressed[0]["bytes_sent"] / 10
+
+
+def _adam(rank: int, world: int) -> dict:
+    out = {}
+    # the same batch on both ranks: each rank's direction is then Adam's on the averaged gradient
+    base = DDP(make_model())
+    out["adam"] = train(base, torch.optim.Adam(base.parameters(), lr=0.01), 0, 8)
+    pre = DDP(make_model())
+    gw_ddp.register(pre, "none", strategy="allreduce", precondition="adam")
+    out["pre"] = train(pre, torch.optim.SGD(pre.parameters(), lr=0.01), 0, 8)
+    sparse = DDP(make_model(), bucket_cap_mb=0.005)
+    state = gw_ddp.register(sparse, "topk:ratio=0.1", strategy="allgather", precondition="adam")
+    out["sparse"] = train(sparse, torch.optim.SGD(sparse.parameters(), lr=0.01), rank, 8)
+    out["moments"] = len(state.preconditioner.m)
+    return out
+
+
+def test_adam_preconditioner_matches_torch_adam_and_keeps_replicas_identical():
+    results = run_ranks(_adam, 2)
+    for r in results:
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(r["adam"], r["pre"]))
+        assert any(not torch.equal(a, b) for a, b in zip(r["adam"], r["sparse"]))
+        assert r["moments"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["sparse"], results[1]["sparse"]))
+
+
+def test_lm_options_are_checked():
+    with pytest.raises(ValueError, match="ratio="):
+        gw_ddp.GradwireState("qsgd:bits=4", strategy="allgather", warmup=10)
+    with pytest.raises(ValueError, match="strategies"):
+        gw_ddp.GradwireState("topk:ratio=0.01", strategy="oktopk", warmup=10)
+    with pytest.raises(ValueError, match="precondition"):
+        gw_ddp.GradwireState("topk:ratio=0.01", precondition="lamb")
+    assert warmup_ratio(0.01, 0, 4) == 0.25 and warmup_ratio(0.01, 4, 4) == 0.01
+    assert warmup_ratio(0.01, 2, 4) == pytest.approx(0.05)  # halfway: the geometric mean
