@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precondition", default="auto",
                    help="'adam': compressed methods send Adam's direction (each rank's own moments) and train with "
                         "plain SGD, so error feedback delays Adam's steps instead of shrinking them; 'none'; "
-                        "'auto': the task's default (charlm: adam; others: none). Dense runs use the task's optimizer")
+                        "'auto': the task's default for sparsifiers (charlm: adam; others: none; never PowerSGD, whose "
+                        "low rank fits raw gradients better). Dense runs use the task's optimizer")
     p.add_argument("--engine", default="ddp", choices=["ddp", "fsdp", "hsdp"],
                    help="ddp: DDP + the gradwire comm hook; fsdp: FSDP2 fully_shard + gradwire's compressed "
                         "reduce-scatter; hsdp: FSDP2 sharded inside each node (--ranks-per-node), gradwire's "
@@ -115,9 +116,7 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
                  args.error_feedback, str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None,
-                 args.min_numel, args.engine, args.ranks_per_node, args.start_iter, args.warmup,
-                 task.precondition if args.precondition == "auto" else "" if args.precondition == "none"
-                 else args.precondition)
+                 args.min_numel, args.engine, args.ranks_per_node, args.start_iter, args.warmup, args.precondition)
 
 
 def main(argv: list[str] | None = None) -> int:

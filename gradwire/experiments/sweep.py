@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .cluster import EmulatedCluster
-from .config import RunConfig, expand_methods
+from .config import SPARSIFIERS, RunConfig, expand_methods
+from .tasks import get_task
 from .launch import launch
 
 
@@ -36,7 +37,7 @@ class Sweep:
     ranks_per_node: int = 1
     start_iter: int = -1
     warmup: int = 0
-    precondition: str = ""
+    precondition: str = "auto"  # "auto" (the task's default for sparsifiers), "none" or a spec such as "adam"
 
     def runs(self) -> list[RunConfig]:
         out = []
@@ -47,13 +48,22 @@ class Sweep:
                         cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
                                         self.lr, seed, self.eval_every, link, self.strategy, self.error_feedback,
                                         self.data_dir, self.min_numel, self.engine, self.ranks_per_node,
-                                        self.start_iter, self.warmup, self.precondition)
+                                        self.start_iter, self.warmup, self._precondition(method))
                         if not cfg.uses_min_numel():  # bad method strings fail here, before anything runs
                             cfg = replace(cfg, min_numel=0)  # irrelevant to this method: same run id either way
                         if cfg.resolved().strategy == "dense":
                             cfg = replace(cfg, start_iter=-1, warmup=0, precondition="")  # likewise
                         out.append(cfg)
         return out
+
+
+    def _precondition(self, method: str) -> str:
+        if self.precondition == "none":
+            return ""
+        if self.precondition != "auto":
+            return self.precondition
+        sparsifier = method.split(":")[0].split("+")[0].split("@")[0] in SPARSIFIERS
+        return get_task(self.task).precondition if sparsifier else ""
 
 
 def command_for(cfg: RunConfig, out: Path) -> str:
