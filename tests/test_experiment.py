@@ -174,6 +174,29 @@ def test_charlm_trains_on_two_ranks_and_reports_perplexity(tmp_path: Path) -> No
     assert 0.0 <= summary["final"]["accuracy"] <= 100.0
 
 
+def test_charlm_gets_its_tuned_lm_settings_unless_told_otherwise(tmp_path: Path) -> None:
+    def options(argv: str) -> dict[str, dict]:
+        runs = cli.sweep_from(cli.build_parser().parse_args(argv.split())).runs()
+        return {c.method: c.hook_options() for c in runs}
+
+    tuned = get_task("charlm").tuned
+    lm = options("--task charlm --methods none,topk,powersgd:rank=4 --ratios 0.01")
+    assert lm == {"none": {}, "topk:ratio=0.01": {"warmup": tuned.warmup, "precondition": "adam"},
+                  "powersgd:rank=4": {"start_iter": tuned.powersgd_start}}
+    assert options("--task charlm --methods topk --ratios 0.01 --precondition none --warmup 0 --start-iter 5") == {
+        "topk:ratio=0.01": {"start_iter": 5}}
+    assert options("--methods topk,powersgd:rank=4 --ratios 0.01") == {"topk:ratio=0.01": {}, "powersgd:rank=4": {}}
+    assert options("--task charlm --methods topk --ratios 0.01 --engine fsdp") == {"topk:ratio=0.01": {}}
+    # and a real 2-rank run with them: the optimizer is SGD over Adam's directions, the warm-up is sent
+    cfg = RunConfig("charlm", "transformer", 64, "topk:ratio=0.1", 2, 6, 4, 0.003, eval_every=6, warmup=3,
+                    precondition="adam")
+    summary = launch(cfg, tmp_path / cfg.run_id)
+    assert 1.0 < summary["final"]["perplexity"] < 300.0
+    steps = [json.loads(line) for line in (tmp_path / cfg.run_id / "steps.jsonl").read_text().splitlines()]
+    sent = [r["bytes_sent"] for r in steps if r["type"] == "step"]
+    assert sent[2] > sent[3] > sent[4] > sent[5]  # 25% -> 10% over 3 steps, then 10%
+
+
 def _fake_cifar(root: Path, per_batch: int = 8) -> Path:
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
@@ -239,6 +262,7 @@ def test_methods_expand_over_ratios_and_map_onto_strategies() -> None:
     (["--nodes", "2", "--ranks-per-node", "0"], "--ranks-per-node must be >= 1"),
     (["--worlds", "3", "--ranks-per-node", "2"], "do not split into nodes of 2"),
     (["--engine", "fsdp", "--methods", "powersgd:rank=2"], "powersgd needs an all-reduce"),
+    (["--precondition", "lamb"], "precondition must be 'adam'"),
 ])
 def test_bad_options_fail_clearly_before_running(args: list[str], message: str, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,9 +16,24 @@ def warmup_ratio(final: float, step: int, steps: int, start: float = 0.25) -> fl
     return start * (final / start) ** (step / steps)
 
 
+def _sparse_stage(config: dict) -> dict | None:
+    """The config of the ratio-based sparsifier in `config` (itself, or a chain's stage), else None."""
+    stages = config.get("stages", [config])
+    found = [st for st in stages if "ratio" in st and st.get("k") is None]
+    return found[0] if found else None
+
+
+def ratio_of(c: Compressor) -> float | None:
+    """The kept fraction of a ratio-based sparsifier (alone or first in a chain such as topk+fp16), else None."""
+    stage = _sparse_stage(c.get_config())
+    return None if stage is None else float(stage["ratio"])
+
+
 def with_ratio(c: Compressor, ratio: float) -> Compressor:
     """The same compressor keeping `ratio` of the elements; only ratio-based sparsifiers have one."""
     config = c.get_config()
-    if "ratio" not in config or config.get("k") is not None:
+    stage = _sparse_stage(config)
+    if stage is None:
         raise ValueError(f"a density warm-up needs a sparsifier with ratio= (topk, randomk, dgc), got {c}")
-    return from_config(dict(config, ratio=ratio))
+    stage["ratio"] = ratio  # (get_config returns fresh dicts)
+    return from_config(config)

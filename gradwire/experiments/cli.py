@@ -57,11 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensors with fewer elements (biases, small layers) are sent uncompressed by the allgather "
                         "strategy: a 1%% top-k would send one value of a 64-element bias per step")
     p.add_argument("--start-iter", type=int, default=-1,
-                   help="dense steps before compression starts (-1: the hook's default: 2 with error feedback "
-                        "or PowerSGD, else 0)")
-    p.add_argument("--warmup", type=int, default=0,
+                   help="dense steps before compression starts (-1: the task's default for PowerSGD, charlm: 40; "
+                        "else the hook's: 2 with error feedback or PowerSGD, 0 without)")
+    p.add_argument("--warmup", type=int, default=-1,
                    help="density warm-up (DGC): over this many steps after --start-iter a sparsifier's ratio "
-                        "decays exponentially from 25%% to its own")
+                        "decays exponentially from 25%% to its own (-1: the task's default, charlm: see --help of "
+                        "docs/experiments.md; others: 0)")
     p.add_argument("--precondition", default="auto",
                    help="'adam': compressed methods send Adam's direction (each rank's own moments) and train with "
                         "plain SGD, so error feedback delays Adam's steps instead of shrinking them; 'none'; "
@@ -108,8 +109,8 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
         from gradwire.hooks.precondition import make_preconditioner
 
         make_preconditioner(args.precondition)  # a bad spec fails before anything runs
-    if args.start_iter < -1 or args.warmup < 0:
-        raise ValueError("--start-iter must be >= -1 and --warmup >= 0")
+    if args.start_iter < -1 or args.warmup < -1:
+        raise ValueError("--start-iter and --warmup must be >= -1 (-1: the task's default)")
     if args.engine == "hsdp" and args.ranks_per_node < 2:
         raise ValueError("--engine hsdp shards inside nodes and replicates across them: give --ranks-per-node >= 2")
     return Sweep(args.task, arch, args.width, [m.strip() for m in args.methods.split(",") if m.strip()],

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from .cluster import EmulatedCluster
 from .config import SPARSIFIERS, RunConfig, expand_methods
-from .tasks import get_task
+from .tasks import Tuned, get_task
 from .launch import launch
 
 
@@ -35,8 +35,8 @@ class Sweep:
     min_numel: int = 0
     engine: str = "ddp"
     ranks_per_node: int = 1
-    start_iter: int = -1
-    warmup: int = 0
+    start_iter: int = -1  # -1: the task's default for PowerSGD (Task.tuned), else the hook's
+    warmup: int = -1  # -1: the task's default for sparsifiers
     precondition: str = "auto"  # "auto" (the task's default for sparsifiers), "none" or a spec such as "adam"
 
     def runs(self) -> list[RunConfig]:
@@ -48,7 +48,7 @@ class Sweep:
                         cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
                                         self.lr, seed, self.eval_every, link, self.strategy, self.error_feedback,
                                         self.data_dir, self.min_numel, self.engine, self.ranks_per_node,
-                                        self.start_iter, self.warmup, self._precondition(method))
+                                        *self._tuned(method))
                         if not cfg.uses_min_numel():  # bad method strings fail here, before anything runs
                             cfg = replace(cfg, min_numel=0)  # irrelevant to this method: same run id either way
                         if cfg.resolved().strategy == "dense":
@@ -57,13 +57,15 @@ class Sweep:
         return out
 
 
-    def _precondition(self, method: str) -> str:
-        if self.precondition == "none":
-            return ""
-        if self.precondition != "auto":
-            return self.precondition
-        sparsifier = method.split(":")[0].split("+")[0].split("@")[0] in SPARSIFIERS
-        return get_task(self.task).precondition if sparsifier else ""
+    def _tuned(self, method: str) -> tuple[int, int, str]:
+        """(start_iter, warmup, precondition) of one method: explicit options, else the task's defaults."""
+        tuned = get_task(self.task).tuned if self.engine == "ddp" else Tuned()  # (options of the DDP hook)
+        name = method.split(":")[0].split("+")[0].split("@")[0]
+        sparsifier, powersgd = name in SPARSIFIERS, name == "powersgd"
+        start = self.start_iter if self.start_iter >= 0 else tuned.powersgd_start if powersgd else -1
+        warmup = self.warmup if self.warmup >= 0 else tuned.warmup if sparsifier else 0
+        pre = {"none": "", "auto": tuned.precondition if sparsifier else ""}.get(self.precondition, self.precondition)
+        return start, warmup, pre
 
 
 def command_for(cfg: RunConfig, out: Path) -> str:

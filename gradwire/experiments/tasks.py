@@ -33,6 +33,16 @@ class Dataset:
 
 
 @dataclass(frozen=True)
+class Tuned:
+    """A task's default hook settings for compressed methods (the `auto` of --precondition, --warmup and
+    --start-iter); docs/benchmarks.md has the ablation behind the charlm ones."""
+
+    precondition: str = ""  # sparsifiers: "adam" sends Adam's direction, the optimizer is plain SGD
+    warmup: int = 0  # sparsifiers: DGC density warm-up steps (25% -> the ratio)
+    powersgd_start: int = -1  # PowerSGD: dense steps before it starts (-1: the hook's 2)
+
+
+@dataclass(frozen=True)
 class Task:
     name: str
     metric: str  # "accuracy" (classification) or "perplexity" (language model; accuracy is next-char)
@@ -42,7 +52,9 @@ class Task:
     default_lr: float
     default_batch: int  # per rank
     optimizer: str = "sgd"  # "sgd" (momentum 0.9) or "adam"
-    precondition: str = ""  # compressed methods' default (--precondition auto): "adam" for the Adam-trained LM
+    tuned: Tuned = Tuned()  # hook settings its compressed methods get by default
+
+
 
 
 # ---- mnist1d ---------------------------------------------------------------------------
@@ -219,9 +231,10 @@ def cifar10_model(arch: str, width: int) -> nn.Module:
     return ResNet20(width or 16)
 
 
+CHARLM_TUNED = Tuned(precondition="adam", warmup=100, powersgd_start=40)
 TASKS: dict[str, Task] = {
     "mnist1d": Task("mnist1d", "accuracy", load_mnist1d, mnist1d_model, "cnn", 0.05, 32),
-    "charlm": Task("charlm", "perplexity", load_charlm, charlm_model, "transformer", 0.003, 16, "adam", "adam"),
+    "charlm": Task("charlm", "perplexity", load_charlm, charlm_model, "transformer", 0.003, 16, "adam", CHARLM_TUNED),
     "cifar10": Task("cifar10", "accuracy", load_cifar10, cifar10_model, "resnet20", 0.05, 32),
 }
 

@@ -53,7 +53,7 @@ from ..comm.registry import make_strategy
 from ..comm.strategies import DenseAllreduce, Strategy, segments_of
 from ..comm.torch_dist import TorchDistBackend
 from ..compress import Ctx, compressor as make_compressor, resolve_error_feedback
-from ..compress.schedule import warmup_ratio, with_ratio
+from ..compress.schedule import ratio_of, warmup_ratio, with_ratio
 from ..errors import ConfigMismatchError
 from .precondition import make_preconditioner
 
@@ -76,7 +76,7 @@ class GradwireState:
         if self.warmup < 0 or not 0.0 < self.warmup_ratio <= 1.0:
             raise ValueError(f"warmup must be >= 0 and 0 < warmup_ratio <= 1, got {warmup}, {warmup_ratio}")
         if self.warmup:
-            with_ratio(c, c.ratio if "ratio" in c.get_config() else 1.0)  # a sparsifier with ratio=, or raise
+            with_ratio(c, 1.0)  # a sparsifier with ratio=, or raise
             if strategy not in WARMUP_STRATEGIES:
                 raise ValueError(f"warmup works on the {', '.join(WARMUP_STRATEGIES)} strategies, not {strategy!r}")
         self._final = c
@@ -177,15 +177,15 @@ class GradwireState:
         """Close one step's statistics (runs when its last bucket's exchange completes)."""
         merged = self.strategy.take_stats().merge(self.dense.take_stats()).as_dict()
         merged["iter"] = step
-        config = self._final.get_config()
-        if step >= self.start_iter and "ratio" in config and config.get("k") is None:
+        if step >= self.start_iter and ratio_of(self._final) is not None:
             merged["density"] = self.density(step)
         self.last_stats = merged
         self.history.append(merged)
 
     def density(self, step: int) -> float:
         """The sparsifier's ratio at hook step `step` (the warm-up's, then the compressor's own)."""
-        final = self._final.ratio
+        final = ratio_of(self._final)
+        assert final is not None
         return warmup_ratio(final, step - self.start_iter, self.warmup, self.warmup_ratio) if self.warmup else final
 
     def _tune(self, step: int) -> None:
