@@ -84,8 +84,8 @@ def command_for(cfg: RunConfig, out: Path) -> str:
         parts += ["--ranks-per-node", str(cfg.ranks_per_node)]
     if cfg.start_iter >= 0:
         parts += ["--start-iter", str(cfg.start_iter)]
-    if cfg.warmup:
-        parts += ["--warmup", str(cfg.warmup)]
+    if cfg.warmup or cfg.method not in ("none", "dense"):
+        parts += ["--warmup", str(cfg.warmup)]  # explicit: the task's default may differ
     parts += ["--precondition", cfg.precondition or "none"]  # explicit: the task's default may change
     return shlex.join(parts)
 
