@@ -187,6 +187,12 @@ def test_charlm_gets_its_tuned_lm_settings_unless_told_otherwise(tmp_path: Path)
         "topk:ratio=0.01": {"start_iter": 5}}
     assert options("--methods topk,powersgd:rank=4 --ratios 0.01") == {"topk:ratio=0.01": {}, "powersgd:rank=4": {}}
     assert options("--task charlm --methods topk --ratios 0.01 --engine fsdp") == {"topk:ratio=0.01": {}}
+    # preconditioned top-k at the task's own lr: lr x sqrt(world); an explicit --lr is kept as given
+    lrs = {(c.method, c.world): c.lr for c in cli.sweep_from(cli.build_parser().parse_args(
+        "--task charlm --methods none,topk --ratios 0.01 --worlds 1,4".split())).runs()}
+    assert lrs == {("none", 1): 0.003, ("topk:ratio=0.01", 1): 0.003, ("none", 4): 0.003, ("topk:ratio=0.01", 4): 0.006}
+    explicit = cli.sweep_from(cli.build_parser().parse_args("--task charlm --methods topk --worlds 4 --lr 0.003".split()))
+    assert {c.lr for c in explicit.runs()} == {0.003}
     # and a real 2-rank run with them: the optimizer is SGD over Adam's directions, the warm-up is sent
     cfg = RunConfig("charlm", "transformer", 64, "topk:ratio=0.1", 2, 6, 4, 0.003, eval_every=6, warmup=3,
                     precondition="adam")

@@ -61,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else the hook's: 2 with error feedback or PowerSGD, 0 without)")
     p.add_argument("--warmup", type=int, default=-1,
                    help="density warm-up (DGC): over this many steps after --start-iter a sparsifier's ratio "
-                        "decays exponentially from 25%% to its own (-1: the task's default, charlm: see --help of "
-                        "docs/experiments.md; others: 0)")
+                        "decays exponentially from 25%% to its own (-1: the task's default, charlm: 100; others: 0)")
     p.add_argument("--precondition", default="auto",
                    help="'adam': compressed methods send Adam's direction (each rank's own moments) and train with "
                         "plain SGD, so error feedback delays Adam's steps instead of shrinking them; 'none'; "
@@ -117,7 +116,7 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
                  args.error_feedback, str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None,
-                 args.min_numel, args.engine, args.ranks_per_node, args.start_iter, args.warmup, args.precondition)
+                 args.min_numel, args.engine, args.ranks_per_node, args.start_iter, args.warmup, args.precondition, not args.lr)
 
 
 def main(argv: list[str] | None = None) -> int:

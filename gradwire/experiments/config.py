@@ -115,7 +115,7 @@ class RunConfig:
         return method
 
     def hook_options(self) -> dict[str, Any]:
-        """The hook's own options this run sets (dense first steps, density warm-up)."""
+        """The hook's own options this run sets (dense first steps, density warm-up, Adam before the exchange)."""
         method = self.resolved()
         opts: dict[str, Any] = {}
         if self.start_iter >= 0 and method.strategy != "dense":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import time
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,7 @@ class Sweep:
     start_iter: int = -1  # -1: the task's default for PowerSGD (Task.tuned), else the hook's
     warmup: int = -1  # -1: the task's default for sparsifiers
     precondition: str = "auto"  # "auto" (the task's default for sparsifiers), "none" or a spec such as "adam"
+    task_lr: bool = False  # lr is the task's default (so Task.tuned may scale it)
 
     def runs(self) -> list[RunConfig]:
         out = []
@@ -45,10 +47,11 @@ class Sweep:
             for world in self.worlds:
                 for seed in self.seeds:
                     for method in expand_methods(self.methods, self.ratios):
+                        start, warmup, pre = self._tuned(method)
                         cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
-                                        self.lr, seed, self.eval_every, link, self.strategy, self.error_feedback,
+                                        self._lr(pre, world), seed, self.eval_every, link, self.strategy, self.error_feedback,
                                         self.data_dir, self.min_numel, self.engine, self.ranks_per_node,
-                                        *self._tuned(method))
+                                        start, warmup, pre)
                         if not cfg.uses_min_numel():  # bad method strings fail here, before anything runs
                             cfg = replace(cfg, min_numel=0)  # irrelevant to this method: same run id either way
                         if cfg.resolved().strategy == "dense":
@@ -56,6 +59,10 @@ class Sweep:
                         out.append(cfg)
         return out
 
+    def _lr(self, precondition: str, world: int) -> float:
+        tuned = get_task(self.task).tuned
+        scale = self.task_lr and tuned.sqrt_world_lr and precondition and precondition == tuned.precondition
+        return self.lr * math.sqrt(world) if scale else self.lr
 
     def _tuned(self, method: str) -> tuple[int, int, str]:
         """(start_iter, warmup, precondition) of one method: explicit options, else the task's defaults."""
@@ -72,7 +79,7 @@ def command_for(cfg: RunConfig, out: Path) -> str:
     """The exact command that reruns this one run (the sweep's resume makes it reuse a finished one)."""
     parts = ["gradwire", "experiment", "--task", cfg.task, "--arch", cfg.arch, "--width", str(cfg.width),
              "--methods", cfg.method, "--worlds", str(cfg.world), "--links", cfg.link, "--steps", str(cfg.steps),
-             "--batch", str(cfg.batch), "--lr", f"{cfg.lr:g}", "--seeds", str(cfg.seed),
+             "--batch", str(cfg.batch), "--lr", repr(cfg.lr), "--seeds", str(cfg.seed),
              "--eval-every", str(cfg.eval_every), "--strategy", cfg.strategy, "--error-feedback", cfg.error_feedback,
              "--out", str(out)]
     if cfg.data_dir:

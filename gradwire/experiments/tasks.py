@@ -40,6 +40,10 @@ class Tuned:
     precondition: str = ""  # sparsifiers: "adam" sends Adam's direction, the optimizer is plain SGD
     warmup: int = 0  # sparsifiers: DGC density warm-up steps (25% -> the ratio)
     powersgd_start: int = -1  # PowerSGD: dense steps before it starts (-1: the hook's 2)
+    # sparsifiers with the task's precondition and its own lr: lr x sqrt(world). Each rank's moments see
+    # its own batch's noise, W times the global batch's, so where noise dominates the averaged direction
+    # is about sqrt(W) shorter than Adam's on the averaged gradient
+    sqrt_world_lr: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,6 @@ class Task:
     default_batch: int  # per rank
     optimizer: str = "sgd"  # "sgd" (momentum 0.9) or "adam"
     tuned: Tuned = Tuned()  # hook settings its compressed methods get by default
-
-
 
 
 # ---- mnist1d ---------------------------------------------------------------------------
@@ -231,7 +233,7 @@ def cifar10_model(arch: str, width: int) -> nn.Module:
     return ResNet20(width or 16)
 
 
-CHARLM_TUNED = Tuned(precondition="adam", warmup=100, powersgd_start=40)
+CHARLM_TUNED = Tuned(precondition="adam", warmup=100, powersgd_start=40, sqrt_world_lr=True)
 TASKS: dict[str, Task] = {
     "mnist1d": Task("mnist1d", "accuracy", load_mnist1d, mnist1d_model, "cnn", 0.05, 32),
     "charlm": Task("charlm", "perplexity", load_charlm, charlm_model, "transformer", 0.003, 16, "adam", CHARLM_TUNED),

@@ -16,8 +16,8 @@ exponentially from `warmup_ratio` (25%) to the compressor's own (`last_stats["de
 Adam's direction from its own moments; pair it with `torch.optim.SGD(params, lr)`, no momentum),
 so error feedback delays Adam's steps instead of shrinking them: the setting for Adam-trained LMs.
 Buckets whose packet would not be smaller than dense are allreduced; error feedback is kept
-per parameter. At the first call the ranks compare a fingerprint of
-their config and all raise if they differ, instead of hanging or silently diverging.
+per parameter. At the first call the ranks compare a fingerprint of their config and all raise
+if they differ, instead of hanging or silently diverging.
 
 Compression, randomness and error feedback work per parameter (keyed by its name), so
 results do not depend on how DDP groups parameters into buckets — DDP regroups after its
