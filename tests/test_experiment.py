@@ -187,6 +187,9 @@ def test_charlm_gets_its_tuned_lm_settings_unless_told_otherwise(tmp_path: Path)
         "topk:ratio=0.01": {"start_iter": 5}}
     assert options("--methods topk,powersgd:rank=4 --ratios 0.01") == {"topk:ratio=0.01": {}, "powersgd:rank=4": {}}
     assert options("--task charlm --methods topk --ratios 0.01 --engine fsdp") == {"topk:ratio=0.01": {}}
+    assert options("--task charlm --methods topk@auto,topk@hierarchical --ratios 0.01") == {  # auto: no warm-up
+        "topk:ratio=0.01@auto": {"precondition": "adam"},
+        "topk:ratio=0.01@hierarchical": {"warmup": tuned.warmup, "precondition": "adam"}}
     # preconditioned top-k at the task's own lr: lr x sqrt(world); an explicit --lr is kept as given
     lrs = {(c.method, c.world): c.lr for c in cli.sweep_from(cli.build_parser().parse_args(
         "--task charlm --methods none,topk --ratios 0.01 --worlds 1,4".split())).runs()}

@@ -44,7 +44,12 @@ def _warmup(rank: int, world: int) -> dict:
     state = gw_ddp.register(model, SPEC, strategy="allgather", warmup=5)
     final = train(model, torch.optim.SGD(model.parameters(), lr=0.05), rank, 10)
     sizes = [p.numel() for p in model.parameters()]
-    return {"history": state.history, "sizes": sizes, "params": final, "start": state.start_iter}
+    # the hierarchical strategy hands each step's compressor to its inner strategy (2 nodes of 1 rank)
+    nodes = DDP(make_model())
+    hier = gw_ddp.register(nodes, SPEC, strategy="hierarchical", inner="allgather", ranks_per_node=1, warmup=5)
+    train(nodes, torch.optim.SGD(nodes.parameters(), lr=0.05), rank, 10)
+    return {"history": state.history, "sizes": sizes, "params": final, "start": state.start_iter,
+            "hier": [(h["density"], h["inter_bytes_sent"]) for h in hier.history if "density" in h]}
 
 
 def test_density_warmup_sends_the_scheduled_ratio_each_step():
@@ -63,6 +68,9 @@ def test_density_warmup_sends_the_scheduled_ratio_each_step():
         assert h["bytes_sent"] == expected, (h["iter"], ratio)
     assert compressed[0]["density"] == pytest.approx(0.25)
     assert compressed[-1]["density"] == 0.01 and compressed[-1]["bytes_sent"] < compressed[0]["bytes_sent"] / 10
+    hier = r["hier"]
+    assert [d for d, _ in hier] == [h["density"] for h in compressed]
+    assert all(a[1] > b[1] for a, b in zip(hier[:5], hier[1:6])) and hier[5][1] == hier[-1][1]
 
 
 def _adam(rank: int, world: int) -> dict:

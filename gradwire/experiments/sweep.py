@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .cluster import EmulatedCluster
-from .config import SPARSIFIERS, RunConfig, expand_methods
+from gradwire.hooks.ddp import WARMUP_STRATEGIES
+from .config import SPARSIFIERS, RunConfig, expand_methods, parse_method
 from .tasks import Tuned, get_task
 from .launch import launch
 
@@ -70,7 +71,11 @@ class Sweep:
         name = method.split(":")[0].split("+")[0].split("@")[0]
         sparsifier, powersgd = name in SPARSIFIERS, name == "powersgd"
         start = self.start_iter if self.start_iter >= 0 else tuned.powersgd_start if powersgd else -1
-        warmup = self.warmup if self.warmup >= 0 else tuned.warmup if sparsifier else 0
+        if self.warmup >= 0:
+            warmup = self.warmup
+        else:  # the task's warm-up where the strategy can change its ratio per step (not auto, oktopk, artopk)
+            via = parse_method(method, self.strategy, self.error_feedback).strategy if sparsifier else ""
+            warmup = tuned.warmup if via in WARMUP_STRATEGIES else 0
         pre = {"none": "", "auto": tuned.precondition if sparsifier else ""}.get(self.precondition, self.precondition)
         return start, warmup, pre
 
