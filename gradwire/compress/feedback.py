@@ -54,8 +54,11 @@ def _keep(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor, spares: _Spare
     chosen on the device (written into old, no host sync)."""
     if ok.device.type == "cpu":
         keep, drop = (new, old) if bool(ok) else (old, new)
-    else:
-        keep, drop = torch.where(ok, new, old, out=old), new
+    else:  # the old state is copied into new only when the step was not finite (ops.keep)
+        from ..cuda import ops
+
+        ops.keep(ok, new, old)
+        keep, drop = new, old
     if spares is not None:
         spares.give(drop)
     return keep
@@ -172,6 +175,11 @@ class DGCMomentum:
         order: IEEE addition commutes). In cache-sized tiles on the CPU, so u is still in
         cache when v is made (one trip through memory for each tensor)."""
         m, n = self.momentum, g.numel()
+        if g.is_cuda:  # one fused kernel (feedback.cu)
+            from ..cuda import ops
+
+            ops.dgc_accumulate(g.contiguous(), u_old, v_old, u, v, m, self.nesterov)
+            return
         step = _TILE if g.device.type == "cpu" else max(n, 1)
         for s in range(0, n, step):
             e = min(n, s + step)
@@ -208,8 +216,13 @@ class DGCMomentum:
 def _mask(u: torch.Tensor, v: torch.Tensor, pieces: Iterator[Piece]) -> torch.Tensor:
     """v -= sent; u *= (sent == 0) (momentum-factor masking), piece by piece; whether v is
     finite (checked where pieces are, as `Compressor.encode_residual` explains)."""
-    sums, parts = [], []
+    sums, parts, bad = [], [], None
     for where, sent in pieces:
+        if not isinstance(where, slice) and where.is_cuda:  # one kernel at the sent positions
+            from ..cuda import ops
+
+            bad = ops.dgc_sent(u, v, where, sent, bad)
+            continue
         if isinstance(where, slice):
             part = v[where].sub_(sent)
             u[where].mul_(sent == 0)
@@ -220,7 +233,11 @@ def _mask(u: torch.Tensor, v: torch.Tensor, pieces: Iterator[Piece]) -> torch.Te
         if part.device.type == "cpu":
             sums.append(part.sum())
         parts.append(part)
-    return parts_finite(sums, parts)
+    if bad is None:
+        return parts_finite(sums, parts)
+    from ..cuda import ops
+
+    return ops.ok(bad) & parts_finite(sums, parts) if parts else ops.ok(bad)
 
 
 def _check_spec(c: Compressor, state: dict[str, Any]) -> None:
