@@ -15,7 +15,8 @@ allocated (on the CPU a fresh 100 MB tensor costs more page faults than the arit
 What the packet decodes to is subtracted by the compressor (`encode_residual`, or the
 pieces of `encode_sent` for DGC): only at the sent positions for sparsifiers, inside the
 encode tiles for quantizers; finiteness is checked there too (`finite.py`). The results are
-bit for bit those of the plain formulas above (tests/feedback_oracle.py keeps them).
+bit for bit those of the plain formulas above (tests/feedback_oracle.py keeps them). On
+CUDA tensors the same steps are fused kernels (gradwire/cuda/kernels/feedback.cu).
 """
 
 from __future__ import annotations
@@ -50,15 +51,18 @@ class _Spares:
 
 def _keep(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor, spares: _Spares | None) -> torch.Tensor:
     """new where the step was finite, else old; the buffer not kept goes back to spares
-    (if given). On the CPU the flag is already known (a pointer swap); on a GPU it is
-    chosen on the device (written into old, no host sync)."""
+    (if given). On the CPU the flag is already known (a pointer swap); on a GPU new is
+    kept and, on the device, overwritten with old only when the flag says the step was
+    not finite (`ops.keep`: no host sync, and no memory moved on a finite step)."""
     if ok.device.type == "cpu":
         keep, drop = (new, old) if bool(ok) else (old, new)
-    else:  # the old state is copied into new only when the step was not finite (ops.keep)
+    elif new.is_contiguous() and old.is_contiguous():
         from ..cuda import ops
 
         ops.keep(ok, new, old)
         keep, drop = new, old
+    else:
+        keep, drop = torch.where(ok, new, old, out=old), new
     if spares is not None:
         spares.give(drop)
     return keep
