@@ -211,7 +211,7 @@ class Auto(Strategy):
     def choose(self, sizes: list[int], dtype: torch.dtype) -> str:
         if self.choice is None:
             times = self.predict(self.plan_sizes or sizes, dtype)
-            self.choice = min(times, key=lambda n: times[n])
+            self.choice = prefer(times)
             log.info("gradwire auto: %s for %d tensors of %d elements in all; modelled: %s", self.choice,
                      len(self.plan_sizes or sizes), sum(self.plan_sizes or sizes),
                      ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in times.items()))
@@ -237,6 +237,22 @@ class Auto(Strategy):
         self.choice = state["choice"]
         for n, s in state["subs"].items():
             self.subs[n].load_state_dict(s)
+
+
+# Candidates in the order of how little they change the training algorithm: dense is exact, bf16
+# rounds, allgather sums every rank's own top-k, hierarchical each node's, oktopk and artopk keep
+# about k entries of the global sum (artopk: at one rank's positions), so they lose more per step.
+PREFERENCE = ("dense", "bf16", "allgather", "hierarchical", "oktopk", "artopk")
+MARGIN = 0.10  # a candidate this much slower than the fastest, by the model, still counts as as fast
+
+
+def prefer(times: dict[str, float], margin: float = MARGIN) -> str:
+    """The first candidate in PREFERENCE order modelled within `margin` of the fastest: a
+    near-tie (these models are a few percent apart at 4 ranks) goes to the exchange that
+    changes the algorithm least, so `auto` does not trade accuracy for nothing."""
+    best = min(times.values())
+    ranked = [n for n in PREFERENCE if n in times] + [n for n in times if n not in PREFERENCE]
+    return next(n for n in ranked if times[n] <= best * (1 + margin))
 
 
 def oktopk_seconds(m: CostModel, k: int, item: int, world: int) -> float:

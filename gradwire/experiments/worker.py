@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import statistics
@@ -240,6 +241,9 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
                "bytes_sent": per_rank[0]["bytes_sent"], "dense_bytes": per_rank[0]["dense_bytes"],
                "train_s": wall, "median_step_s": statistics.median(steady), "compute_ref_s": compute_ref,
                "steps": cfg.steps, "torch": torch.__version__}
+    choice = getattr(getattr(state, "_strategy", None), "choice", None)
+    if choice is not None:  # what `auto` chose (its cost model is in the rank logs)
+        summary["auto_choice"] = choice
     links = [r["node_link_tx_bytes"] for r in per_rank if "node_link_tx_bytes" in r]
     if links:  # measured on the emulated cluster's links: what really crossed between nodes
         summary["inter_node_wire_bytes_per_rank"] = sum(links) / world
@@ -250,6 +254,8 @@ def main(argv: list[str]) -> int:
     run_dir, rank, addr, port = Path(argv[0]), int(argv[1]), argv[2], int(argv[3])
     cfg = RunConfig(**json.loads((run_dir / "config.json").read_text()))
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("gradwire").setLevel(logging.INFO)  # auto's measurements and choice, in rank<N>.log
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=cfg.world,
                             timeout=timedelta(seconds=float(os.environ.get("GRADWIRE_EXPERIMENT_TIMEOUT", "300"))))
     try:
