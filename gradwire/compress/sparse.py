@@ -694,10 +694,10 @@ class RandomK(_FixedK):
         start, length = self._strata(numel, k, device)
         if k == 0:
             return start, length
-        hi = rng.bits24(key, k, device).to(torch.int64)
         if not self._long(numel, k):
-            off = hi.mul_(length).bitwise_right_shift_(24)
+            off = rng.randbelow(key, length)
         else:
+            hi = rng.bits24(key, k, device).to(torch.int64)
             lo = rng.bits24(key, k, device, start=k).to(torch.int64)
             off = hi.mul_(length).add_(lo.mul_(length).bitwise_right_shift_(24)).bitwise_right_shift_(24)
         return off.add_(start), length
