@@ -50,8 +50,13 @@ class CostModel:
         return 2 * (world - 1) * self.alpha + (nbytes_out + 16 * (world - 1)) * self.beta
 
 
-def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5) -> CostModel:
-    """Fit alpha and beta from timed allreduces of `small` and `large` float32 elements."""
+def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5,
+            enough_s: float = 0.1, start: int = 1 << 18) -> CostModel:
+    """Fit alpha and beta from timed allreduces of `small` float32 elements and of a large size
+    grown 4x at a time from `start` until one allreduce takes `enough_s` (or reaches `large`):
+    on a fast link that is `large`, on a 20 Mbit/s link `start` (1 MB, well past the bursts a
+    shaper lets through at line rate), so a slow network is not probed for many seconds. The ranks agree on each step (the
+    mean of their times decides), so they run the same collectives."""
     world = backend.world_size
 
     def timed(n: int) -> float:
@@ -59,12 +64,19 @@ def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int 
         backend.allreduce(t).wait()  # warm-up
         samples = []
         for _ in range(repeat):
-            start = time.perf_counter()
+            began = time.perf_counter()
             backend.allreduce(t).wait()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+            samples.append(time.perf_counter() - began)
+        mean = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+        return float(backend.allreduce(mean).wait()) / world  # the same number on every rank
 
-    t_small, t_large = timed(small), timed(large)
+    t_small = timed(small)
+    n = min(start, large)
+    t_large = timed(n)
+    while t_large < enough_s and n < large:
+        n = min(4 * n, large)
+        t_large = timed(n)
+    large = n
     steps = max(2 * (world - 1), 1)
     alpha = max(t_small / steps, 1e-7)
     beta = max((t_large - t_small) / (2 * (world - 1) / world * 4 * (large - small)) if world > 1 else 1e-10, 1e-12)

@@ -358,7 +358,11 @@ class _Chunked(Compressor):
 
     def encode_residual(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
                         ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
-        """On the CPU the addition and the subtraction run inside the encode tiles (`_Residual`)."""
+        """On the CPU the addition and the subtraction run inside the encode tiles (`_Residual`).
+        On a GPU: the statistics kernel writes x + residual into out, then one fused kernel
+        encodes into the packet, subtracts the decoded values and flags non-finite ones."""
+        if out.is_cuda and out.is_contiguous() and out.numel():
+            return self._encode_residual_cuda(x, residual, out, ctx if ctx is not None else Ctx())
         if out.is_cuda or not out.is_contiguous() or not out.numel():
             return super().encode_residual(x, residual, out, ctx)
         check_input(self.name, out)
@@ -367,6 +371,28 @@ class _Chunked(Compressor):
         sections = self._encode(flat, ctx if ctx is not None else Ctx(), fb)
         packet = Packet(self.codec_id, out.dtype, tuple(out.shape), sections, self.crc).freeze()
         return packet, fb.finite()
+
+    def _encode_residual_cuda(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
+                              ctx: Ctx) -> tuple[Packet, torch.Tensor]:
+        from ..cuda import ops
+
+        check_input(self.name, out)
+        n = out.numel()
+        packet = wire.allocate(self.codec_id, out.dtype, tuple(out.shape), self._cuda_layout(n), self.crc,
+                               device=out.device)
+        e = None if residual is None else residual.view(-1)
+        bad = self._feedback_cuda(ops, x.detach().reshape(-1).contiguous(), e, out.view(-1),
+                                  [s.data for s in packet.sections], ctx)
+        return packet, ops.ok(bad)
+
+    def _cuda_layout(self, n: int) -> list[tuple[Kind, torch.dtype, int]]:
+        """(kind, dtype, count) of each section of an n-element packet."""
+        raise NotImplementedError
+
+    def _feedback_cuda(self, ops, x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor,
+                       sections: list[torch.Tensor], ctx: Ctx) -> torch.Tensor:
+        """The fused kernels into the packet's sections; returns the `bad` flag."""
+        raise NotImplementedError
 
     #: How each section is laid out, in order: "chunk" (per_chunk fp32 values per chunk),
     #: "elem" (one code per element) or an int b (b bytes per group of 8 elements).
@@ -464,6 +490,12 @@ class FP8(_Chunked):
     def _check(self, pk: Packet) -> None:
         expect(pk, (Kind.SCALES, torch.float32, self._nchunks(pk.numel)), (Kind.DATA, self.code_dtype, pk.numel))
 
+    def _cuda_layout(self, n: int) -> list[tuple[Kind, torch.dtype, int]]:
+        return [(Kind.SCALES, torch.float32, self._nchunks(n)), (Kind.DATA, self.code_dtype, n)]
+
+    def _feedback_cuda(self, ops, x, e, out, sections, ctx) -> torch.Tensor:
+        return ops.ef_fp8(x, e, out, self.chunk, self.format == "e5m2", self.fmax, *sections)
+
     def _decode(self, pk: Packet) -> torch.Tensor:
         scales, codes = pk.section(Kind.SCALES), pk.section(Kind.DATA)
         ops = _gpu(codes, pk.numel)
@@ -537,6 +569,13 @@ class Int8(_Chunked):
     def _check(self, pk: Packet) -> None:
         c = self._nchunks(pk.numel)
         expect(pk, (Kind.SCALES, torch.float32, c), (Kind.OFFSETS, torch.float32, c), (Kind.DATA, torch.uint8, pk.numel))
+
+    def _cuda_layout(self, n: int) -> list[tuple[Kind, torch.dtype, int]]:
+        c = self._nchunks(n)
+        return [(Kind.SCALES, torch.float32, c), (Kind.OFFSETS, torch.float32, c), (Kind.DATA, torch.uint8, n)]
+
+    def _feedback_cuda(self, ops, x, e, out, sections, ctx) -> torch.Tensor:
+        return ops.ef_int8(x, e, out, self.chunk, *sections)
 
     def _decode(self, pk: Packet) -> torch.Tensor:
         scales, offsets, codes = (s.data for s in pk.sections)
@@ -651,6 +690,16 @@ class _Stochastic(_Chunked):
         expect(pk, (Kind.SCALES, torch.float32, self._nchunks(pk.numel)), (Kind.BITS, torch.uint8, g),
                (self.level_kind, torch.uint8, self.level_bits * g))
 
+    def _cuda_layout(self, n: int) -> list[tuple[Kind, torch.dtype, int]]:
+        g = _ceil(n, 8)
+        return [(Kind.SCALES, torch.float32, self._nchunks(n)), (Kind.BITS, torch.uint8, g),
+                (self.level_kind, torch.uint8, self.level_bits * g)]
+
+    def _feedback_cuda(self, ops, x, e, out, sections, ctx) -> torch.Tensor:
+        key = rng.stream_key(ctx.seed, ctx.step, ctx.rank, ctx.key, stream=self.codec_id)
+        return ops.ef_stochastic(x, e, out, self.bucket or x.numel(), self.levels, self.level_bits, key,
+                                 self.by_norm, *sections)
+
     def _decode(self, pk: Packet) -> torch.Tensor:
         n = pk.numel
         scales, signs, levels = (s.data for s in pk.sections)
@@ -752,6 +801,12 @@ class _OneBit(_Chunked):
     def _check(self, pk: Packet) -> None:
         expect(pk, (Kind.SCALES, torch.float32, self.per_chunk * self._nchunks(pk.numel)),
                (Kind.BITS, torch.uint8, _ceil(pk.numel, 8)))
+
+    def _cuda_layout(self, n: int) -> list[tuple[Kind, torch.dtype, int]]:
+        return [(Kind.SCALES, torch.float32, self.per_chunk * self._nchunks(n)), (Kind.BITS, torch.uint8, _ceil(n, 8))]
+
+    def _feedback_cuda(self, ops, x, e, out, sections, ctx) -> torch.Tensor:
+        return ops.ef_sign(x, e, out, self.chunk, self.per_chunk == 2, *sections)
 
 
 @register

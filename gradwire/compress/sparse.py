@@ -455,6 +455,8 @@ class _Sparse(Compressor):
         """Where the values are the input's own, the residual there is v - v = +0 for every
         finite v: one scatter of zeros, no gather. Every NaN/Inf is among the sent values
         (largest magnitudes / at least the threshold), so they alone decide finiteness."""
+        if self.sends_input_values and out.is_cuda:
+            return self._encode_residual_cuda(x, residual, out, ctx)
         if not self.sends_input_values or out.is_cuda:
             return super().encode_residual(x, residual, out, ctx)
         if residual is None:
@@ -465,6 +467,20 @@ class _Sparse(Compressor):
         values = packet.section(Kind.VALUES)
         out.view(-1).index_fill_(0, idx, 0.0)
         return packet, parts_finite([values.sum()], [values])
+
+    def _encode_residual_cuda(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
+                              ctx: Ctx | None) -> tuple[Packet, torch.Tensor]:
+        """out = x + residual (one pass into the spare buffer: the old state must survive a
+        non-finite step), select from it, then one kernel at the k sent positions only:
+        out[idx] -= values (+0 for finite values) and the finiteness flag."""
+        from ..cuda import ops
+
+        if residual is None:
+            out.copy_(x)
+        else:
+            torch.add(x, residual, out=out)
+        packet, idx = self.encode_selected(out, ctx)
+        return packet, ops.ok(ops.ef_sub_sent(out.view(-1), idx, packet.section(Kind.VALUES)))
 
     def encode_selected(self, x: torch.Tensor, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
         """encode(x) and the ascending int64 indices it selected."""
