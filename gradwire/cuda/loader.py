@@ -41,7 +41,7 @@ INSTANTIATIONS: dict[str, tuple[str, ...]] = {
         + _names("sample_keys", _DT) + _names("randomk_pick", _DT)),
     "bytes.cu": ("planes_split<2>", "planes_split<4>", "planes_merge<2>", "planes_merge<4>"),
     "scatter.cu": tuple(
-        _names("scatter_sorted", _DT, ("int", "long long")) + _names("scatter_randomk", _DT, ("int", "long long"))
+        _names("scatter_sorted", _DT, ("int", "long long")) + _names("scatter_randomk", _DT)
         + _names("fill_sentinel", _DT)),
     "feedback.cu": tuple(
         [f"ef_cast<{s}, {d}>" for s in _DT for d in _DT]

@@ -413,21 +413,21 @@ def scatter_sorted(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> tuple[t
     return out, err
 
 
-def scatter_randomk(idx: torch.Tensor, vals: torch.Tensor, numel: int, sentinel_value: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """randomk decode: values times their stratum length at their (checked) stratum index;
-    everything NaN when the sentinel is non-finite. Returns (out, error flag)."""
+def scatter_randomk(key: torch.Tensor, vals: torch.Tensor, numel: int, sentinel_value: torch.Tensor,
+                    long_strata: bool) -> torch.Tensor:
+    """randomk decode: each value times its stratum length at the position the packet's key
+    (int64[1], read on the device: no host sync) draws in that stratum; everything NaN when
+    the sentinel is non-finite. Nothing to check: every drawn position is in range."""
     out = _empty(numel, vals.dtype, vals)
-    err = torch.zeros(1, dtype=torch.int32, device=vals.device)
-    k = idx.numel()
+    k = vals.numel()
     s = sentinel_value.reshape(1).to(torch.float32).contiguous()
     with on_torch_stream(vals.device):
         if numel:
             _launch("scatter.cu", f"fill_sentinel<{_DT[vals.dtype]}>", vals.device, numel, (out, _i64(numel), s))
         if k:
-            _launch("scatter.cu", f"scatter_randomk<{_DT[vals.dtype]}, {_idx_type(idx)}>", vals.device, k,
-                    (idx, vals, _i64(k), _i64(numel), s, out, err))
-    return out, err
+            _launch("scatter.cu", f"scatter_randomk<{_DT[vals.dtype]}>", vals.device, k,
+                    (vals, _i64(k), _i64(numel), key.reshape(1).contiguous(), np.int32(int(long_strata)), s, out))
+    return out
 
 
 # ---- byte planes ---------------------------------------------------------------------------
