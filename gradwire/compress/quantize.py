@@ -453,10 +453,9 @@ class FP8(_Chunked):
                 for p, f, o in zip(parts, _split(inv, parts), _rows(w, chunk)):
                     torch.mul(p, f, out=o)
                 codes[s:e].copy_(w)  # one rounding to fp8 (faster than a mixed-dtype mul)
-                if fb is not None:  # decode: codes (by table: the cast is slow) times scale
-                    idx = tiles.i32[: e - s].copy_(codes[s:e].view(torch.uint8))
-                    torch.index_select(_fp8_table(self.code_dtype), 0, idx, out=w)
-                    for p, f in zip(_rows(w, chunk), _split(sc, parts)):
+                if fb is not None:  # decode: codes times scale (torch's fp8 -> fp32 cast is slow)
+                    lift = _fp8_as_half(codes[s:e], self.format, tiles.i32, w)
+                    for p, f in zip(_rows(w, chunk), _split(sc * lift, parts)):
                         p.mul_(f)
                     fb.subtract(s, e, w)
         return [Section(Kind.SCALES, scales), Section(Kind.DATA, codes)]
@@ -476,14 +475,29 @@ class FP8(_Chunked):
         return self._finish(vals, pk)
 
 
-_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
+def _fp8_as_half(codes: torch.Tensor, fmt: str, scratch: torch.Tensor, out: torch.Tensor) -> float:
+    """out (fp32) <- the fp8 codes' values divided by the returned power of two, through
+    their fp16 bit patterns (exact, and ~10x faster than a table lookup or torch's cast).
+
+    e5m2 is the top byte of an fp16. An e4m3 byte s.eeee.mmm shifted left by 7, with the
+    sign's copy in bit 14 cleared, is the fp16 s.0eeee.mmm0000000: the same significand
+    with the exponent bias 15 instead of 7 (subnormals included), so 2**-8 times the
+    value. A scale times 2**8 never overflows (scale <= FLT_MAX / 448), so
+    ``out * (scale * lift)`` rounds exactly like ``value * scale``. NaN codes (a
+    non-finite chunk only) come out finite, times that chunk's non-finite scale."""
+    h = scratch.view(torch.int16)[: codes.numel()].copy_(codes.view(torch.int8))  # sign-extending
+    if fmt == "e5m2":
+        h.mul_(256)  # << 8; |byte| * 256 <= 2**15: no overflow (and faster than torch's shift)
+        lift = 1.0
+    else:
+        h.mul_(128).bitwise_and_(_s16(0xBF80))
+        lift = 256.0
+    out.copy_(h.view(torch.float16))
+    return lift
 
 
-def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 value of each of the 256 codes of an fp8 format."""
-    if dtype not in _FP8_TABLES:
-        _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
-    return _FP8_TABLES[dtype]
+def _s16(v: int) -> int:
+    return v - (1 << 16) if v >= 1 << 15 else v
 
 
 # ---- int8 -----------------------------------------------------------------------------
