@@ -258,6 +258,19 @@ class _Residual:
         self._tile: torch.Tensor | None = None  # the corrected tile, in cache
         self._scratch = torch.empty(min(TILE + 8, out.numel()), dtype=out.dtype, device=out.device)
         self._done = False
+        self._scales: tuple[torch.Tensor, float] | None = None
+
+    def by_scales(self, scales: torch.Tensor, limit: float) -> None:
+        """Judge finiteness from the chunk scales instead of summing every residual tile.
+
+        For an encoder whose decoded value has the sign of its (corrected) input and a
+        magnitude at most its chunk's scale times limit's margin: every scale finite and
+        at most `limit` means input and decode are finite and ``x - d`` cannot overflow
+        (same signs); a non-finite scale makes its whole chunk decode non-finite. So the
+        answer is the same as the sums'; scales above `limit` fall back to checking the
+        residual itself. fp32 only: a narrower residual may overflow when d is rounded."""
+        if self.flat.dtype == torch.float32:
+            self._scales = (scales, limit)
 
     def correct(self, s: int, e: int) -> torch.Tensor:
         """x + residual over [s, e), made as the tile loop goes into a cache-sized scratch
@@ -288,10 +301,19 @@ class _Residual:
             part.sub_(d)
         else:
             torch.sub(self._tile, d, out=part)  # type: ignore[arg-type]
-        self.sums.append(part.sum())
+        if self._scales is None:
+            self.sums.append(part.sum())
 
     def finite(self) -> torch.Tensor:
-        return parts_finite(self.sums, [self.flat])
+        if self._scales is None:
+            return parts_finite(self.sums, [self.flat])
+        scales, limit = self._scales
+        lo, hi = torch.aminmax(scales)  # scales are >= 0 or NaN (which both propagate)
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            return torch.zeros((), dtype=torch.bool)
+        if float(hi) <= limit:
+            return torch.ones((), dtype=torch.bool)
+        return parts_finite([], [self.flat])
 
 
 def _flip_signs(vals: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
@@ -443,6 +465,8 @@ class FP8(_Chunked):
         codes = torch.empty(n, dtype=self.code_dtype, device=flat.device)
         if n:
             tiles = _Tiles(flat, math.lcm(chunk, 8), fb)
+            if fb is not None:  # |code * scale| <= fmax * scale, same sign as x
+                fb.by_scales(scales, FLT_MAX / (2 * fmax))
             for s, e, x in tiles:
                 c0 = s // chunk
                 sc = scales[c0: c0 + _ceil(e - s, chunk)]
@@ -616,6 +640,8 @@ class _Stochastic(_Chunked):
             return self._sections(*ops.stochastic_encode(flat, self.bucket or n, self.levels, b, key, self.by_norm))
         per_tensor = self.bucket == 0
         chunk = self.bucket if not per_tensor else None
+        if fb is not None:  # |level * (scale / s)| <= scale (+ a rounding), sign of x
+            fb.by_scales(scales, FLT_MAX / 2)
         if per_tensor:  # one scale: a pre-pass over the whole tensor
             if fb is not None:
                 fb.correct_all()
