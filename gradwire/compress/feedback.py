@@ -61,8 +61,9 @@ def _keep(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor, spares: _Spare
     return keep
 
 
-_TILE = 1 << 20  # elements per step of DGC's momentum update on the CPU (u is reread from cache; 4 MiB:
-#                  fewer, larger tiles measured faster than L2-sized ones, whose per-op overhead dominates)
+#: Elements per step of DGC's momentum update on the CPU (u is reread from cache). 4 MiB
+#: tiles measured faster than L2-sized ones, whose per-op Python overhead dominates.
+_TILE = 1 << 20
 
 
 def _check_like(what: str, name: str, x: torch.Tensor, state: torch.Tensor) -> None:
