@@ -73,6 +73,17 @@ def test_packet_size_formula(spec):
         assert pk.nbytes == header_size(1, len(sizes)) + sum(align(s) for s in sizes) == c.static_size(n)
 
 
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("n", [1, 8, 13, 4099])
+def test_unpack_inverts_the_documented_bit_packing(b, n):
+    """`_unpack` against the little-endian layout of the module docstring, on random bytes."""
+    g = -(-n // 8)
+    packed = torch.randint(0, 256, (g * b,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + b))
+    words = [int.from_bytes(bytes(packed[j * b:(j + 1) * b].tolist()), "little") for j in range(g)]
+    want = [(words[i // 8] >> (b * (i % 8))) & ((1 << b) - 1) for i in range(n)]
+    assert quantize._unpack(packed, b, n).tolist() == want
+
+
 def test_bits_per_element():
     n = 1 << 16
     for spec, want in [("qsgd:bits=8", 9), ("qsgd:bits=4", 5), ("qsgd:bits=1", 2), ("terngrad", 2),

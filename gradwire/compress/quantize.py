@@ -86,7 +86,7 @@ from typing import Iterator
 
 import torch
 
-from . import rng, wire
+from . import alloc, rng, wire
 from .base import Compressor, Ctx, Param, Piece, check_input, deliver, expect
 from .finite import parts_finite
 from .registry import register
@@ -159,6 +159,9 @@ def _unpack(packed: torch.Tensor, b: int, n: int) -> torch.Tensor:
     g = _ceil(n, 8)
     if b == 8:
         return packed[:n]
+    if b == 1:  # each byte copied into all 8 lanes of a word, lane k keeps bit k (0 or 2**k), min 1
+        w = packed[:g].to(torch.int64).mul_(0x0101010101010101).bitwise_and_(_s64(0x8040201008040201))
+        return w.view(torch.uint8).clamp_(max=1)[:n]
     buf = torch.zeros(g, 8, dtype=torch.uint8, device=packed.device)
     buf[:, :b] = packed.view(g, b)
     w = buf.view(-1).view(torch.int64)
@@ -399,15 +402,17 @@ class _Chunked(Compressor):
                shape: tuple[int, ...] | torch.Size | None = None, dtype: torch.dtype | None = None,
                max_numel: int | None = None) -> torch.Tensor:
         """On the CPU, decoded tile by tile into one output (`_sent`): no full-size
-        intermediates (unpacked codes, signs, fp32 values), only the result."""
+        intermediates (unpacked codes, signs, fp32 values), only the result -- `out`
+        itself where it can take it as it is (see `alloc`)."""
         pk = packet if isinstance(packet, Packet) else wire.parse(packet)
         if pk.device.type != "cpu" or not pk.numel:
             return super().decode(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
         self.check_header(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
-        flat = torch.empty(pk.numel, dtype=pk.dtype)
+        into = alloc.direct(out, pk.numel, pk.dtype)
+        flat = into if into is not None else alloc.empty(pk.numel, pk.dtype)
         for where, values in self._sent(pk):
             flat[where].copy_(values)
-        return deliver(flat, pk, out)
+        return out if into is not None else deliver(flat, pk, out)
 
     def _sent(self, pk: Packet) -> Iterator[Piece]:
         """Decode tile by tile (whole chunks, a multiple of 8), each tile through the same
@@ -685,6 +690,31 @@ class _Stochastic(_Chunked):
 
     def _sections(self, scales, signs, levels) -> list[Section]:
         return [Section(Kind.SCALES, scales), Section(Kind.BITS, signs), Section(self.level_kind, levels)]
+
+    def _sent(self, pk: Packet) -> Iterator[Piece]:
+        """On the CPU, `_decode`'s steps tile by tile into two reused fp32 scratch tiles (the
+        signs as +-1.0: the same products as `_decode`'s int8 ones, without its mixed-dtype
+        multiply or a fresh tile per step)."""
+        n, bucket = pk.numel, self.bucket
+        if pk.device.type != "cpu":
+            yield from super()._sent(pk)
+            return
+        step = _tile_step(n, math.lcm(bucket or 8, 8), pk.device)
+        w = torch.empty(min(n, step), dtype=torch.float32)
+        pm = torch.empty_like(w)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            scales, signs, levels = (sec.data for sec in self._slice(pk, s, e).sections)
+            vals = w[: e - s].copy_(_unpack(levels, self.level_bits, e - s))
+            lv = scales / self.levels
+            if bucket == 0:
+                vals.mul_(lv)
+            else:
+                parts = _rows(vals, bucket)
+                for p, f in zip(parts, _split(lv, parts)):
+                    p.mul_(f)
+            vals.mul_(pm[: e - s].copy_(_plus_minus(signs, e - s)))
+            yield slice(s, e), self._finish(vals, pk)
 
     def _check(self, pk: Packet) -> None:
         g = _ceil(pk.numel, 8)
