@@ -62,7 +62,7 @@ class _Cast(Compressor):
         into = alloc.direct(out, pk.numel, pk.dtype)
         flat = into if into is not None else alloc.empty(pk.numel, pk.dtype)
         flat.copy_(data)
-        return out if into is not None else flat.view(pk.shape)
+        return out if into is not None else deliver(flat, pk, out)
 
     def encode_residual(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
                         ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
