@@ -506,7 +506,8 @@ class FP8(_Chunked):
 
 def _fp8_as_half(codes: torch.Tensor, fmt: str, scratch: torch.Tensor, out: torch.Tensor) -> float:
     """out (fp32) <- the fp8 codes' values divided by the returned power of two, through
-    their fp16 bit patterns (exact, and ~10x faster than a table lookup or torch's cast).
+    their fp16 bit patterns (exact; here ~5x faster than a 256-entry table lookup and ~15x
+    faster than torch's fp8 -> fp32 cast).
 
     e5m2 is the top byte of an fp16. An e4m3 byte s.eeee.mmm shifted left by 7, with the
     sign's copy in bit 14 cleared, is the fp16 s.0eeee.mmm0000000: the same significand
