@@ -18,7 +18,7 @@ import torch
 
 import gradwire
 from gradwire import Ctx
-from gradwire.compress import hostmem, sparse, wire
+from gradwire.compress import alloc, sparse, wire
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
         pk = timed("decode: parse and checks", lambda: wire.parse(buf))
         c.check_header(pk, None)
         idx = timed("decode: draw from the key", lambda: c._indices(pk))
-        out = timed("decode: hostmem.zeros", lambda: hostmem.zeros(n, torch.float32))
+        out = timed("decode: alloc.zeros", lambda: alloc.zeros(n, torch.float32))
         length = c._strata(n, k, "cpu")[1]
         values = timed("decode: scale", lambda: pk.sections[1].data.float() * length)
         timed("decode: scatter", lambda: out.index_copy_(0, idx, values))

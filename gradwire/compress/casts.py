@@ -6,8 +6,8 @@ from typing import Iterator
 
 import torch
 
-from . import wire
-from .base import Compressor, Ctx, Piece, check_input, expect
+from . import alloc, wire
+from .base import Compressor, Ctx, Piece, check_input, deliver, expect
 from .finite import all_finite, parts_finite
 from .registry import register
 from .wire import Kind, Packet, Section
@@ -46,6 +46,23 @@ class _Cast(Compressor):
 
     def _decode(self, pk: Packet) -> torch.Tensor:
         return _to(pk.section(Kind.DATA), pk.dtype)
+
+    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None, *,
+               shape: tuple[int, ...] | torch.Size | None = None, dtype: torch.dtype | None = None,
+               max_numel: int | None = None) -> torch.Tensor:
+        """On the CPU a widening cast writes straight into `out` when it can take the result
+        as it is, else into a fresh tensor from `alloc` (one pass, no copy)."""
+        pk = packet if isinstance(packet, Packet) else wire.parse(packet)
+        if pk.device.type != "cpu" or not pk.numel:
+            return super().decode(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
+        self.check_header(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
+        data = pk.section(Kind.DATA)
+        if data.dtype == pk.dtype:  # nothing to widen: the packet's own memory (or a copy into out)
+            return deliver(data, pk, out)
+        into = alloc.direct(out, pk.numel, pk.dtype)
+        flat = into if into is not None else alloc.empty(pk.numel, pk.dtype)
+        flat.copy_(data)
+        return out if into is not None else deliver(flat, pk, out)
 
     def encode_residual(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
                         ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
