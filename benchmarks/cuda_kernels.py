@@ -1,5 +1,6 @@
 """GPU kernel throughput: GB/s per kernel at 1M, 16M and 256M elements, fp32 and bf16,
-beside torch.topk and a device-to-device copy measured in the same run.
+beside torch.topk and a device-to-device copy measured in the same run; error feedback's
+fused steps beside the bare encodes (what feedback costs on a GPU).
 
 Timing: CUDA events around each call, 3 warm-ups, median of up to 15 runs. GB/s counts
 the bytes a kernel must move at least (its input read once plus its output written);
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from gradwire import Ctx, compressor
 from gradwire.compress import rng
 from gradwire.compress.sparse import _ceil_key
 from gradwire.cuda import entropy, ops
@@ -79,10 +81,28 @@ def cases(x: torch.Tensor):
     yield "scatter decode 1%", lambda: ops.scatter_sorted(idx, vals, n), k * (8 + isz) + inb
     yield "byte planes split", lambda: ops.split_planes(x, planes), 2 * inb
     yield "byte planes merge", lambda: ops.merge_planes(planes, isz, torch.empty_like(planes)), 2 * inb
+    yield from feedback_cases(x)
     if entropy.use_nvcomp():
         frame = entropy.compress(planes)
         yield "nvCOMP ANS compress", lambda: entropy.compress(planes), inb + frame.numel()
         yield "nvCOMP ANS decompress", lambda: entropy.decompress(frame, 2 * inb + 4096), frame.numel() + inb
+
+
+def feedback_cases(x: torch.Tensor):
+    """Error feedback's fused steps (feedback.cu) through `encode_residual`, beside the bare
+    encode of the same compressor: the bytes are the least an EF step must move (x and the
+    residual read, the new residual and the packet written)."""
+    n, isz = x.numel(), x.element_size()
+    inb, g, k = n * isz, -(-n // 8), max(1, n // 100)
+    e, out = torch.zeros_like(x), torch.empty_like(x)
+    ctx = Ctx(seed=0, step=1, rank=0, key=7)
+    for spec, packet in (("fp16", 2 * n), ("int8", n), ("qsgd", 9 * g), ("sign", g),
+                         ("topk:ratio=0.01,indices=raw", k * (8 + isz))):
+        comp = compressor(spec)
+        yield f"{spec} bare encode", lambda c=comp: c.encode(x, ctx), inb + packet
+        yield f"{spec} error feedback (fused)", lambda c=comp: c.encode_residual(x, e, out, ctx), 3 * inb + packet
+    u0, v0, u, v = (torch.zeros_like(x) for _ in range(4))
+    yield "dgc momentum accumulate", lambda: ops.dgc_accumulate(x, u0, v0, u, v, 0.9, False), 5 * inb
 
 
 def bench_size(dtype: torch.dtype, n: int) -> list[dict]:

@@ -1,6 +1,6 @@
 """gradwire's compress + decompress round trip beside GRACE's algorithms, same tensor, one run.
 
-    python benchmarks/vs_grace.py [--numel 25000000] [--reps 5] [--only randomk,dgc]
+    python benchmarks/vs_grace.py [--numel 25000000] [--reps 5] [--only randomk,dgc] [--min] [--clock thread]
 
 The anchors re-implement, in plain torch, the algorithms GRACE publishes for its torch
 compressors (sands-lab/grace, grace_dl/dist/compressor/: randomk.py, topk.py, dgc.py,
@@ -18,10 +18,16 @@ terngrad.py, onebit.py, fp16.py) -- the steps are GRACE's, the code is ours:
   ~mask * mean1.
 * fp16: x.half(); decompress: .float() (also the bare cast pair the fp16 codec is held to).
 
-gradwire's round trip is `decode(encode(x))` (a fresh output, like GRACE's) and, beside it,
-`add_decoded(encode(x), out)` into a zeroed reused buffer (how the allgather strategy sums
-packets). Timings interleave the two sides; printed is the median and gradwire's speed-up
-(GRACE time / gradwire time). 1 torch thread. Not a test; numbers go to docs/benchmarks.md.
+gradwire's round trip three ways: `decode(encode(x))` (a fresh output, like GRACE's);
+`decode(encode(x), out=buf)` into a buffer reused every step (a receiver with a bucket it
+keeps across steps; GRACE's decompress API has no `out=`, so its anchor
+always builds a fresh tensor, as gradwire's first column does -- on transparent huge pages
+where the kernel offers them, see gradwire/compress/alloc.py; `--no-huge-pages` turns that
+off); and `add_decoded(encode(x), buf.zero_())` (how the allgather
+strategy sums packets). Timings interleave all sides; printed is the median (or minimum)
+and gradwire's speed-up (GRACE time / gradwire time). 1 torch thread; `--clock thread`
+times this thread's CPU time (robust to other jobs on a shared machine). Not a test;
+numbers go to docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 import gradwire
 from gradwire import Ctx
+from gradwire.compress import alloc
 
 
 # ---- GRACE's algorithms, re-implemented ---------------------------------------------------
@@ -103,10 +110,13 @@ ROWS = [("randomk", grace_randomk, "randomk:ratio=0.01"), ("topk", grace_topk, "
         ("onebit", grace_onebit, "onebit"), ("fp16", grace_fp16, "fp16")]
 
 
+_CLOCK = time.perf_counter
+
+
 def _time(fn) -> float:
-    start = time.perf_counter()
+    start = _CLOCK()
     fn()
-    return time.perf_counter() - start
+    return _CLOCK() - start
 
 
 def main() -> None:
@@ -115,29 +125,37 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--only", help="comma-separated row names (default: all)")
     p.add_argument("--min", action="store_true", help="minimums instead of medians (a shared machine's bursts)")
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                   help="wall clock, or this thread's CPU time (robust to other jobs' load)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="gradwire's fresh outputs from torch's allocator (gradwire.compress.alloc.ENABLED = False)")
     args = p.parse_args()
+    alloc.ENABLED = not args.no_huge_pages
+    global _CLOCK
+    _CLOCK = time.perf_counter if args.clock == "wall" else time.thread_time
     torch.set_num_threads(1)
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
     out = torch.zeros_like(x)
     rows = [r for r in ROWS if not args.only or r[0] in args.only.split(",")]
-    print(f"{args.numel:,} fp32 elements, 1 thread, {'minimum' if args.min else 'median'} of {args.reps}")
-    print(f"{'algorithm':10s} {'gradwire spec':20s} {'GRACE ms':>9s} {'decode ms':>10s} {'speed-up':>9s} "
-          f"{'add_decoded ms':>15s} {'speed-up':>9s}")
+    print(f"{args.numel:,} fp32 elements, 1 thread, {'minimum' if args.min else 'median'} of {args.reps}, "
+          f"{args.clock} clock, huge pages {'off' if args.no_huge_pages else 'on'}; speed-up = GRACE ms / gradwire ms")
+    print(f"{'algorithm':10s} {'gradwire spec':20s} {'GRACE ms':>9s} {'fresh decode':>13s} {'x':>7s} "
+          f"{'decode(out=buf)':>16s} {'x':>7s} {'add_decoded':>12s} {'x':>7s}")
     for name, grace, spec in rows:
         c = gradwire.compressor(spec)
-        g, a, b = [], [], []
+        times: list[list[float]] = [[], [], [], []]
         for t in range(args.reps + 1):  # the first round warms up
             ctx = Ctx(step=t, key=1)
-            tg = _time(lambda: grace(x, 0.01, t))
-            ta = _time(lambda: c.decode(c.encode(x, ctx)))
-            tb = _time(lambda: c.add_decoded(c.encode(x, ctx), out.zero_()))
+            run = [_time(lambda: grace(x, 0.01, t)),
+                   _time(lambda: c.decode(c.encode(x, ctx))),
+                   _time(lambda: c.decode(c.encode(x, ctx), out=out)),
+                   _time(lambda: c.add_decoded(c.encode(x, ctx), out.zero_()))]
             if t:
-                g.append(tg)
-                a.append(ta)
-                b.append(tb)
-        mg, ma, mb = (statistics.median(v) * 1e3 for v in (g, a, b)) if not args.min else \
-            (min(v) * 1e3 for v in (g, a, b))
-        print(f"{name:10s} {spec:20s} {mg:9.1f} {ma:10.1f} {mg / ma:8.2f}x {mb:15.1f} {mg / mb:8.2f}x", flush=True)
+                for v, r in zip(times, run):
+                    v.append(r)
+        mg, ma, mo, mb = ((min(v) if args.min else statistics.median(v)) * 1e3 for v in times)
+        print(f"{name:10s} {spec:20s} {mg:9.1f} {ma:13.1f} {mg / ma:6.2f}x {mo:16.1f} {mg / mo:6.2f}x "
+              f"{mb:12.1f} {mg / mb:6.2f}x", flush=True)
 
 
 if __name__ == "__main__":

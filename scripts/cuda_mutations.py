@@ -3,8 +3,10 @@
 For every mutation, copy gradwire/cuda/kernels/ to a temporary directory, plant one bug of
 a class that passes silently on a CPU (a removed barrier, a full mask where the active
 mask belongs, an off-by-one bound, a half-warp shuffle mask, lanes leaving before a
-shuffle, a missing butterfly stage, a removed scan barrier, a non-atomic shared add), and
-run the emulated parity tests (the TSan pass for the last) against the copy
+shuffle, a missing butterfly stage, a removed scan barrier, a non-atomic shared add; in the
+fused error-feedback kernels: an ignored finiteness flag, a lost store, a skipped rounding,
+a short loop, a contracted multiply-add, a non-atomic flag), and run the emulated parity
+tests (the error-feedback tests, or the TSan pass) against the copy
 (GRADWIRE_EMULATOR_KERNELS) until the first failure. A mutation that survives the whole
 selection fails the check.
 
@@ -33,17 +35,17 @@ MUTATIONS = [
      "    sg[threadIdx.x] = g; se[threadIdx.x] = e;\n", "topk or dgc or threshold"),
     ("full-mask-for-activemask", "select.cu",
      "__match_any_sync(__activemask(), bin)", "__match_any_sync(0xFFFFFFFFu, bin)", "topk"),
-    ("off-by-one-bound", "elementwise.cu",
+    ("off-by-one-bound", "quant.cuh",
      "for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n);",
      "for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= (n);", "fp16 or int8"),
-    ("half-warp-shuffle-mask", "elementwise.cu",
+    ("half-warp-shuffle-mask", "quant.cuh",
      "o.a = __shfl_xor_sync(0xFFFFFFFFu, r.a, off);", "o.a = __shfl_xor_sync(0x0000FFFFu, r.a, off);",
      "int8 or qsgd"),
-    ("lanes-leave-before-shuffle", "elementwise.cu",
+    ("lanes-leave-before-shuffle", "quant.cuh",
      "        Acc r = acc_init<OP>();\n",
      "        if (lo + lane >= hi) return;  // idle lanes leave early\n        Acc r = acc_init<OP>();\n",
      "int8 or qsgd or sign"),
-    ("missing-butterfly-stage", "elementwise.cu",
+    ("missing-butterfly-stage", "quant.cuh",
      "for (int off = 16; off > 0; off >>= 1) {\n            Acc o;",
      "for (int off = 8; off > 0; off >>= 1) {\n            Acc o;", "int8 or qsgd"),
     ("scan-barrier-removed", "select.cu",
@@ -52,6 +54,21 @@ MUTATIONS = [
     # only ThreadSanitizer sees this one: no schedule interleaves a read-modify-write
     ("shared-add-not-atomic", "select.cu",
      "atomicAdd(&h[bin], (u32)__popc(peers));", "h[bin] += (u32)__popc(peers);", "tsan:topk"),
+    # the fused error-feedback kernels (feedback.cu; "ef:" runs tests/test_cuda_feedback.py)
+    ("ef-keep-ignores-flag", "feedback.cu", "    if (ok[0]) return;\n", "", "ef:matches_cpu and int8"),
+    ("ef-corrected-not-stored", "feedback.cu", "        out[i] = c;\n        return Elem<DT>::load(c);",
+     "        return Elem<DT>::load(c);", "ef:matches_cpu and int8"),
+    ("ef-decoded-not-rounded", "feedback.cu", "Elem<DT>::load(Elem<DT>::store(decoded))", "decoded",
+     "ef:matches_cpu and int8 and float16"),
+    ("ef-sent-loop-short", "feedback.cu", "__global__ void ef_sub_sent(typename Elem<DT>::T* out, const IDX* idx, "
+     "const typename Elem<DT>::T* vals, i64 k,\n                            u32* bad) {\n    GW_LOOP(j, k) {",
+     "__global__ void ef_sub_sent(typename Elem<DT>::T* out, const IDX* idx, "
+     "const typename Elem<DT>::T* vals, i64 k,\n                            u32* bad) {\n    GW_LOOP(j, k - 1) {",
+     "ef:matches_cpu and topk"),
+    ("dgc-momentum-contracted", "feedback.cu",
+     "E::store(__fadd_rn(E::load(E::store(__fmul_rn(E::load(u_old[i]), m))), gi))",
+     "E::store(fmaf(E::load(u_old[i]), m, gi))", "ef:dgc and float32"),
+    ("ef-flag-not-atomic", "feedback.cu", "atomicOr(bad, 1u);", "*bad |= 1u;", "tsan:feedback"),
 ]
 
 
@@ -68,6 +85,8 @@ def run(kernels: Path, select: str) -> tuple[bool, str, float]:
     env = dict(os.environ, GRADWIRE_EMULATOR_KERNELS=str(kernels), PYTHONPATH=str(ROOT))
     if select.startswith("tsan:"):
         tests, expr = "tests/test_cuda_tsan.py", f"race_free and ({select[5:]})"
+    elif select.startswith("ef:"):
+        tests, expr = "tests/test_cuda_feedback.py", f"emu and ({select[3:]})"
     else:
         tests, expr = "tests/test_cuda_parity.py", f"emu and (byte_identical or within_tolerance) and not 1000003 and ({select})"
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", tests, "-k", expr]

@@ -10,10 +10,11 @@ from torch import nn
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of a few hundred elements, so small tensors take the multi-tile paths."""
-    from gradwire.compress import casts, quantize
+    from gradwire.compress import casts, feedback, quantize
 
     monkeypatch.setattr(quantize, "TILE", 512)
     monkeypatch.setattr(casts, "_TILE", 300)
+    monkeypatch.setattr(feedback, "_TILE", 256)
 
 
 def randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:

@@ -59,6 +59,16 @@ int main(int argc, char** argv) {
             out.push_back((u32)s);
             out.push_back((u32)(s >> 32));
         }
+    } else if (!strcmp(op, "randomk")) {  // argv: numel k k0 k1 -> each stratum's drawn position
+        const i64 n = atoll(argv[2]), k = atoll(argv[3]), q = n / k, r = n - q * k;
+        const u32 k0 = (u32)strtoul(argv[4], 0, 10), k1 = (u32)strtoul(argv[5], 0, 10);
+        const int long_strata = (n + k - 1) / k >= (1 << 24);
+        for (i64 i = 0; i < k; ++i) {
+            const i64 s = stratum_start(i, q, r, k);
+            const i64 pos = s + randomk_offset(k0, k1, i, k, stratum_start(i + 1, q, r, k) - s, long_strata);
+            out.push_back((u32)pos);
+            out.push_back((u32)(pos >> 32));
+        }
     } else {
         return 2;
     }

@@ -3,7 +3,7 @@
 import torch
 
 from gradwire import Ctx
-from gradwire.comm.cost import Auto, CostModel, oktopk_seconds
+from gradwire.comm.cost import Auto, CostModel, oktopk_seconds, prefer
 from gradwire.comm.torch_dist import TorchDistBackend
 from multiproc import run_ranks
 
@@ -19,6 +19,16 @@ def test_cost_model_formulas():
     k, item = 250_000, 4
     for world in (16, 64):
         assert oktopk_seconds(m, k, item, world) < m.allgather(128 + k * (item + 4), world) / 4
+
+
+def test_near_ties_go_to_the_exchange_that_changes_training_least():
+    # the fastest wins when clearly faster...
+    assert prefer({"dense": 100.0, "allgather": 9.3, "artopk": 5.0, "oktopk": 9.9}) == "artopk"
+    # ...but within 10% the order dense, bf16, allgather, hierarchical, oktopk, artopk decides
+    assert prefer({"dense": 100.0, "allgather": 9.306, "artopk": 9.353, "oktopk": 9.892, "hierarchical": 10.86}) \
+        == "allgather"
+    assert prefer({"dense": 10.5, "bf16": 10.0, "allgather": 9.8}) == "dense"
+    assert prefer({"dense": 12.0, "bf16": 10.0, "allgather": 9.8}) == "bf16"
 
 
 def _choices(rank: int, world: int) -> dict:

@@ -210,18 +210,22 @@ def test_nested_count_is_checked_before_the_value_stage_decodes(spec, count, mon
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.1+fp16", "threshold:threshold=0.5+int8", "randomk:ratio=0.1+fp16"])
 def test_outer_packet_is_checked_before_the_value_stage_decodes(spec, monkeypatch):
-    """An out-of-range outer index, unknown flags or a wrong shape fail before the nested stage runs."""
+    """An out-of-range outer index (randomk: a malformed key), unknown flags or a wrong shape
+    fail before the nested stage runs."""
     chain = gradwire.compressor(spec)
     packet = chain.encode(randn(100, seed=8), CTX)
     sections = list(packet.sections)
-    idx = sections[0].data.clone()
-    idx[-1] = 100
+    if chain.first.name == "randomk":  # no indices: any int64 key is valid, two are not
+        idx, message = torch.cat([sections[0].data, sections[0].data]), "META"
+    else:
+        idx, message = sections[0].data.clone(), "INDICES"
+        idx[-1] = 100
     bad_index = wire.Packet(packet.codec, packet.dtype, packet.shape, [wire.Section(sections[0].kind, idx)] +
                             sections[1:], packet.config)
     flagged = wire.Packet(packet.codec, packet.dtype, packet.shape, sections, packet.config, flags=0x40)
     calls = []
     monkeypatch.setattr(type(chain.value_stage), "_decode", lambda self, pk: calls.append(pk.numel))
-    for bad, message in ((bad_index, "INDICES"), (flagged, "flag bits")):
+    for bad, message in ((bad_index, message), (flagged, "flag bits")):
         with pytest.raises(WireFormatError, match=message):
             chain.decode(bad.tensor())
     with pytest.raises(WireFormatError, match="receiver expects"):

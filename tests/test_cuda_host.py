@@ -3,7 +3,7 @@
 common.cuh is plain C++ apart from its qualifiers, so it is compiled here as a host
 program (g++) and fed bit patterns: float conversions (exhaustive for 8/16-bit sources),
 magnitude keys, the counter-based hash, bit packing, byte rotation and randomk's
-strata. No GPU needed; the device compiles the same source (tests/test_cuda_compile.py).
+strata and draws. No GPU needed; the device compiles the same source (tests/test_cuda_compile.py).
 """
 
 from __future__ import annotations
@@ -144,3 +144,12 @@ def test_strata_match(harness, numel, k):
     start, length = RandomK._strata(numel, k, "cpu")
     assert np.array_equal(got[:-1], start.numpy())
     assert np.array_equal(np.diff(got), length.numpy())
+
+
+@pytest.mark.parametrize("numel,k", [(10, 3), (1000, 7), (100_003, 1000), (40_000_000, 2), ((1 << 33) + 7, 12345)])
+def test_randomk_positions_match(harness, numel, k):
+    """The device's draw (randomk_offset: what an encode picks and a decode draws again
+    from the packet's key) is the CPU's, short and long (>= 2^24) strata alike."""
+    key = rng.stream_key(3, 5, 0, 77, stream=RandomK.codec_id)
+    got = run(harness, "randomk", np.zeros(0, dtype=np.uint32), numel, k, *key).view("<i8")
+    assert np.array_equal(got, RandomK()._draw(numel, k, key, "cpu")[0].numpy())

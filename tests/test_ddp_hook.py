@@ -88,7 +88,8 @@ TRAIN_SPECS = [
     ("qsgd:bits=4", "allgather"), ("terngrad", "allgather"), ("sign", "allgather"), ("onebit", "allgather"),
     ("topk:ratio=0.1", "allgather"), ("topk:ratio=0.1", "artopk"), ("topk:ratio=0.1", "oktopk"),
     ("topk:ratio=0.1", "auto"), ("topk:ratio=0.1", "hierarchical"),
-    ("randomk:ratio=0.2", "allreduce-noef"), ("threshold:threshold=0.01", "allgather"), ("dgc:ratio=0.1", "allgather"),
+    ("randomk:ratio=0.2", "allreduce-noef"), ("randomk:ratio=0.2", "allgather-noef"),
+    ("threshold:threshold=0.01", "allgather"), ("dgc:ratio=0.1", "allgather"),
     ("topk:ratio=0.1+fp16", "allgather"), ("topk:ratio=0.1+qsgd:bits=8+zstd", "allgather"), ("zstd", "allgather"),
 ]
 STEPS = 40

@@ -69,3 +69,28 @@ def test_tiled_quantizer_decode_matches_the_whole_tensor_decode(spec, dtype, sma
     x[10], x[2000], x[2500] = float("nan"), float("inf"), -0.0
     for packet in (c.encode(x, Ctx(step=1)), c.encode(x.nan_to_num(posinf=1.0), Ctx(step=2))):
         assert torch.equal(bits(c.decode(packet.tensor())), bits(Compressor.decode(c, packet.tensor())))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", ORACLE_SPECS)
+def test_decode_into_out_and_into_fresh_mappings_matches_the_plain_decode(spec, dtype, small_tiles, monkeypatch):
+    """decode(out=buf) writes the result into buf itself where it fits (and through a copy
+    into a strided one); fresh outputs from huge-page mappings hold the same bits."""
+    from gradwire.compress import alloc
+
+    c = gradwire.compressor(spec)
+    x = randn(3000, seed=5).to(dtype)
+    x[11] = float("nan")
+    for t, inp in enumerate((x.nan_to_num(), x)):
+        packet = c.encode(inp, Ctx(step=t, seed=2)).tensor()
+        monkeypatch.setattr(alloc, "ENABLED", False)
+        want = c.decode(packet)
+        buf = torch.full((3000,), 7.0, dtype=dtype)
+        assert c.decode(packet, out=buf) is buf and torch.equal(bits(buf), bits(want))
+        strided = torch.full((6000,), 7.0, dtype=dtype)[::2]
+        c.decode(packet, out=strided)
+        assert torch.equal(bits(strided.contiguous()), bits(want))
+        monkeypatch.setattr(alloc, "ENABLED", True)
+        monkeypatch.setattr(alloc, "MIN_BYTES", 1024)
+        fresh = c.decode(packet)
+        assert fresh.shape == want.shape and torch.equal(bits(fresh), bits(want))

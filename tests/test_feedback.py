@@ -284,3 +284,26 @@ def test_error_feedback_reuses_its_buffers():
         if t >= 1:
             seen.add(ef.residual("w").data_ptr())
     assert len(seen) == 2
+
+
+@pytest.mark.parametrize("spec", ["fp8", "fp8:format=e5m2", "qsgd:bits=4", "terngrad", "terngrad:bucket=0"])
+def test_finiteness_judged_from_the_scales_matches_the_original(spec, small_tiles):
+    """Quantizers that judge the residual's finiteness from their chunk scales: chunks near
+    FLT_MAX (the fallback check) and an overflowing norm (a skipped step)."""
+    from feedback_oracle import OracleErrorFeedback
+
+    c = gradwire.compressor(spec)
+    new, old = ErrorFeedback(c), OracleErrorFeedback(c)
+    steps = []
+    for t, big in enumerate([0.0, 3e38, 3.3e38, 0.0, 3e19, 0.0, -2e38, -3.3e38, 0.0]):
+        x = randn(1500, seed=t)
+        if big:
+            x[700] = big  # fp8 / terngrad: a scale above the limit (or a corrected input that overflows)
+            x[701] = big / 3
+        steps.append(x)
+    for t, x in enumerate(steps):
+        pn, _ = new.encode_decode(x, "w", Ctx(step=t))
+        po, _ = old.encode_decode(x, "w", Ctx(step=t))
+        assert torch.equal(pn.tensor(), po.tensor()), f"step {t}: packets differ"
+        assert torch.equal(bits(new.residual("w")), bits(old.residuals["w"])), f"step {t}: residuals differ"
+    assert torch.isfinite(new.residual("w")).all()

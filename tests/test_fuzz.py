@@ -35,8 +35,8 @@ from gradwire.compress.wire import DTYPE_CODES, FLOAT_DTYPES, Kind, Packet, Sect
 
 CHAINS = ["fp16+zstd", "topk:ratio=0.1+fp16", "topk:ratio=0.05+qsgd:bits=4+zstd", "randomk:ratio=0.2+int8",
           "topk:ratio=0.2+zstd"]
-# non-default configs that put other sections on the wire (raw vs packed indices)
-VARIANTS = ["topk:ratio=0.3,indices=raw", "randomk:ratio=0.3,indices=raw", "threshold:threshold=0.5,indices=packed"]
+# non-default configs that put other sections on the wire (raw vs packed indices), or other counts
+VARIANTS = ["topk:ratio=0.3,indices=raw", "randomk:ratio=0.3", "threshold:threshold=0.5,indices=packed"]
 SPECS = gradwire.available() + CHAINS + VARIANTS
 TOTAL_EXAMPLES = int(os.environ.get("GRADWIRE_FUZZ_EXAMPLES", 2400))  # over all specs; at least 100 per spec
 EXAMPLES = max(100, math.ceil(TOTAL_EXAMPLES / len(SPECS)))

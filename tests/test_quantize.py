@@ -12,6 +12,8 @@ from gradwire import Ctx, WireFormatError
 from gradwire.compress import quantize
 from gradwire.compress.wire import Kind, Packet, Section, align, header_size
 
+from conftest import bits
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SPECS = ["fp8", "fp8:format=e5m2,chunk=100", "int8", "int8:chunk=7", "qsgd", "qsgd:bits=1,bucket=64",
          "qsgd:bits=3,bucket=100", "qsgd:bits=4", "qsgd:bits=7,bucket=13", "terngrad", "terngrad:bucket=0",
@@ -69,6 +71,17 @@ def test_packet_size_formula(spec):
         pk = c.encode(_x(n))
         assert [s.nbytes for s in pk.sections] == sizes
         assert pk.nbytes == header_size(1, len(sizes)) + sum(align(s) for s in sizes) == c.static_size(n)
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("n", [1, 8, 13, 4099])
+def test_unpack_inverts_the_documented_bit_packing(b, n):
+    """`_unpack` against the little-endian layout of the module docstring, on random bytes."""
+    g = -(-n // 8)
+    packed = torch.randint(0, 256, (g * b,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + b))
+    words = [int.from_bytes(bytes(packed[j * b:(j + 1) * b].tolist()), "little") for j in range(g)]
+    want = [(words[i // 8] >> (b * (i % 8))) & ((1 << b) - 1) for i in range(n)]
+    assert quantize._unpack(packed, b, n).tolist() == want
 
 
 def test_bits_per_element():
@@ -135,6 +148,26 @@ def test_fp8_all_zero_chunk_is_exact():
     c = gradwire.compressor("fp8:chunk=100")
     y = c.decode(c.encode(x))
     assert torch.equal(y[:100], torch.zeros(100)) and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_codes_through_half_bits_decode_like_the_cast(fmt):
+    """Error feedback's in-tile decode (`_fp8_as_half`) against torch's cast, every code
+    times scales from subnormal to the largest an fp8 chunk can have, bit for bit."""
+    dtype = quantize._FP8[fmt]
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3)[:-9].view(dtype)  # odd length: vector tails too
+    value = codes.to(torch.float32)
+    fmax = float(torch.finfo(dtype).max)
+    scales = [2.0 ** -149, 3e-39, 1e-30, 1 / fmax, 0.37, 1.0, 3.3e3, 1e30, quantize.FLT_MAX / fmax]
+    out = torch.empty(codes.numel())
+    lift = quantize._fp8_as_half(codes, fmt, torch.empty(codes.numel(), dtype=torch.int32), out)
+    real = ~torch.isnan(value)  # NaN codes come only from a non-finite chunk (its scale is non-finite)
+    assert real.sum() >= 3 * 250 - 9 and torch.equal(out[real] * lift, value[real])
+    for sc in scales:
+        want = value * torch.tensor(sc)
+        got = out * (torch.tensor([sc]) * lift)
+        assert torch.equal(bits(got[real]), bits(want[real])), sc
+    assert not torch.isfinite(out * (torch.tensor([math.inf]) * lift)).any()
 
 
 @pytest.mark.parametrize("chunk", [10, 256, 1024])

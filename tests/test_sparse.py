@@ -15,10 +15,9 @@ from gradwire.compress.wire import Kind, Packet, Section
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SPECS = ["topk:ratio=0.05", "topk:k=7,indices=raw", "topk:ratio=0.02,indices=packed",
          "dgc:ratio=0.05", "dgc:ratio=0.02,indices=raw,sample_ratio=0.05",
-         "randomk:ratio=0.1", "randomk:k=9,indices=raw",
+         "randomk:ratio=0.1", "randomk:k=9",
          "threshold:threshold=1.5", "threshold:threshold=0.5,indices=raw"]
-RAW_SPECS = ["topk:ratio=0.03,indices=raw", "topk:k=7,indices=raw", "dgc:ratio=0.02,indices=raw",
-             "randomk:ratio=0.1,indices=raw", "randomk:k=9,indices=raw"]
+RAW_SPECS = ["topk:ratio=0.03,indices=raw", "topk:k=7,indices=raw", "dgc:ratio=0.02,indices=raw"]
 SHAPES = [(0,), (1,), (5,), (3, 4), (2, 3, 5, 7), (40_000,)]
 
 
@@ -41,6 +40,8 @@ def ref_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _indices(c, p: Packet) -> torch.Tensor:
+    if c.name == "randomk":  # none on the wire: drawn again from the packet's key
+        return c._indices(p)
     sec = p.sections[0]
     if sec.kind == Kind.INDICES:
         return sec.data.long()
@@ -94,7 +95,7 @@ def test_static_size_matches_packet(spec: str, dtype: torch.dtype) -> None:
         numel = x.numel()
         k = c.value_count(numel)
         isz = torch.empty((), dtype=dtype).element_size()
-        sizes = [k * 4, k * isz] + ([4] if c.name == "randomk" else [])
+        sizes = [k * 4, k * isz]
         header = 24 + 8 * len(shape) + 16 * len(sizes)
         formula = header + sum((s + 7) // 8 * 8 for s in sizes)
         assert c.static_size(numel, dtype, shape) == formula == p.nbytes == p.tensor().numel()
@@ -313,6 +314,81 @@ def test_randomk_chain_summable() -> None:
     torch.testing.assert_close(got, want, rtol=1e-2, atol=3e-2)  # fp16 sums of 10x-scaled values
 
 
+
+def test_randomk_packet_has_no_indices_and_exact_size() -> None:
+    c = gradwire.compressor("randomk:ratio=0.1")
+    x = _x((1000, 3))
+    ctx = Ctx(seed=1, step=2, rank=5, key=3)
+    p = c.encode(x, ctx)
+    assert p.kinds() == [Kind.META, Kind.VALUES, Kind.SENTINEL]
+    k0, k1 = gradwire.compress.rng.stream_key(1, 2, 0, 3, stream=c.codec_id)  # rank-free
+    assert int(p.section(Kind.META)[0]) & (2**64 - 1) == k0 | k1 << 32
+    # header 24 + 8 * ndim 2 + 16 * 3 sections = 88; META 8; VALUES 300 fp32 = 1200; SENTINEL 4 -> 8
+    assert p.nbytes == p.tensor().numel() == c.static_size(3000, torch.float32, (1000, 3)) == 88 + 8 + 1200 + 8
+    for dtype in DTYPES:
+        for shape in SHAPES + [(1000, 3)]:
+            n = math.prod(shape)
+            k = c.value_count(n)
+            want = 24 + 8 * len(shape) + 48 + 8 + -(-k * _x(1, dtype).element_size() // 8) * 8 + 8
+            p = c.encode(_x(shape, dtype))
+            assert p.tensor().numel() == c.static_size(n, dtype, shape) == want, (dtype, shape)
+    # 25M fp32 at 1%: the values and 96 bytes, a fifth less than with packed indices
+    assert c.static_size(25_000_000) is not None
+    assert gradwire.compressor("randomk:ratio=0.01").static_size(25_000_000) == 1_000_000 + 96
+
+
+def test_randomk_has_no_indices_option() -> None:
+    for spec in ("randomk:indices=raw", "randomk:indices=packed", "randomk:ratio=0.1,indices=auto"):
+        with pytest.raises(ValueError, match="indices"):
+            gradwire.compressor(spec)
+
+
+def test_randomk_strata_match_the_formula() -> None:
+    for numel, k in [(10, 3), (1000, 7), (12345, 1000), (100, 100), ((1 << 33) + 7, 12345), (25_000_017, 250_000)]:
+        start, length = sparse.RandomK._strata(numel, k, "cpu")
+        i = torch.arange(k + 1, dtype=torch.int64)
+        edges = i * (numel // k) + (i * (numel % k)) // k  # the torch formula (other devices)
+        assert torch.equal(start, edges[:-1]) and torch.equal(length, edges[1:] - edges[:-1]), (numel, k)
+        for j in (0, k // 2, k - 1):  # and exact integers
+            assert int(start[j]) == j * numel // k and int(length[j]) == (j + 1) * numel // k - j * numel // k
+
+
+def test_randomk_forged_key_moves_values_within_their_strata() -> None:
+    c = gradwire.compressor("randomk:k=40")
+    x = _x(1000, seed=8)
+    p = c.encode(x, Ctx(seed=3))
+    start, length = c._strata(1000, 40, "cpu")
+    seen = set()
+    for word in (0, -1, 1, 2**63 - 1, -(2**63), 0x1234_5678_9ABC_DEF0):
+        buf = _forge(p, 0, torch.tensor([word], dtype=torch.int64))
+        y = c.decode(buf)
+        idx = torch.nonzero(y).view(-1)
+        # the values land elsewhere, but one per stratum and nowhere else
+        assert idx.numel() == 40 and bool(((idx >= start) & (idx < start + length)).all()), word
+        assert torch.equal(y[idx], p.section(Kind.VALUES) * length.float())
+        assert torch.equal(idx, c._draw(1000, 40, sparse._key_of(word), "cpu")[0])
+        assert torch.equal(c.add_decoded(buf, torch.zeros(1000)), y)
+        seen.add(tuple(idx.tolist()))
+    assert len(seen) > 1
+
+
+def test_randomk_decode_on_another_process_draws_the_same_positions() -> None:
+    import subprocess
+    import sys
+
+    c = gradwire.compressor("randomk:ratio=0.01")
+    x = _x(100_000, seed=4)
+    p = c.encode(x, Ctx(seed=7, step=11, rank=0, key="layer.weight"))
+    code = ("import sys, torch, gradwire; c = gradwire.compressor('randomk:ratio=0.01'); "
+            "b = torch.frombuffer(bytearray(sys.stdin.buffer.read()), dtype=torch.uint8); "
+            "y = c.decode(b, shape=(100000,), dtype=torch.float32); "
+            "sys.stdout.write(' '.join(map(str, torch.nonzero(y).view(-1).tolist())))")
+    got = subprocess.run([sys.executable, "-c", code], input=bytes(p.tensor().numpy()), capture_output=True,
+                         check=True).stdout.decode().split()
+    want = c._sample(100_000, 1000, Ctx(seed=7, step=11, rank=3, key="layer.weight"), "cpu")  # any rank
+    assert [int(i) for i in got] == want.tolist()
+
+
 # ---- determinism, configs ----------------------------------------------------------------
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -521,17 +597,44 @@ def test_corrupt_fixed_k_and_sections() -> None:
 
 
 def test_corrupt_randomk() -> None:
-    c = gradwire.compressor("randomk:k=4,indices=raw")
-    p = c.encode(_x(100), Ctx(seed=3))
-    # ascending and in range, but not one index per stratum of 25
-    with pytest.raises(WireFormatError, match="stratum"):
-        c.decode(_forge(p, 0, torch.tensor([0, 1, 2, 3], dtype=torch.int32)))
+    c = gradwire.compressor("randomk:k=4")
+    x = _x(100)
+    p = c.encode(x, Ctx(seed=3))
+    key, vals, sentinel = (sec.data for sec in p.sections)
+    with pytest.raises(WireFormatError, match="k=4"):  # wrong k
+        c.decode(_forge(p, 1, vals[:3].clone()))
+    with pytest.raises(WireFormatError, match="k=4"):
+        c.decode(_forge(p, 1, torch.cat([vals, vals])))
+    small = gradwire.compressor("randomk:k=3").encode(x, Ctx(seed=3))
+    small.config = p.config  # right checksum, wrong k
+    with pytest.raises(WireFormatError, match="k=4"):
+        c.decode(small.tensor())
+    with pytest.raises(WireFormatError, match="META"):
+        c.decode(_forge(p, 0, key.view(torch.int32).clone()))
+    with pytest.raises(WireFormatError, match="META"):
+        c.decode(_forge(p, 0, torch.cat([key, key])))
+    with pytest.raises(WireFormatError, match="META"):
+        c.decode(_forge(p, 0, key.new_empty(0)))
+    with pytest.raises(WireFormatError, match="VALUES dtype"):
+        c.decode(_forge(p, 1, vals.double()))
     with pytest.raises(WireFormatError, match="SENTINEL"):
         c.decode(_forge(p, 2, torch.zeros(2)))
     with pytest.raises(WireFormatError, match="SENTINEL"):
         c.decode(_forge(p, 2, torch.zeros(1), Kind.META))
     with pytest.raises(WireFormatError, match="sections"):
         c.decode(Packet(p.codec, p.dtype, p.shape, p.sections[:2], p.config).tensor())
+    # the old layout (indices instead of a key) is refused, not misread
+    old = [Section(Kind.INDICES, torch.tensor([3, 30, 60, 90], dtype=torch.int32)), p.sections[1], p.sections[2]]
+    with pytest.raises(WireFormatError, match="no indices"):
+        c.decode(Packet(p.codec, p.dtype, p.shape, old, p.config).tensor())
+    buf = p.tensor()
+    for cut in (1, 4, 8, 16, buf.numel() - 24):  # truncated anywhere
+        with pytest.raises(WireFormatError):
+            c.decode(buf[:-cut].clone())
+    with pytest.raises(WireFormatError):
+        c.decode(torch.cat([buf, torch.zeros(8, dtype=torch.uint8)]))  # trailing bytes
+    with pytest.raises(WireFormatError, match="shape"):  # a packet for another tensor
+        c.decode(buf, shape=(101,))
 
 
 def test_threshold_variable_count_checks() -> None:

@@ -74,3 +74,44 @@ def test_strategy_options_are_checked():
         make_strategy("allgather", None, "topk", min_numel=-1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="takes no options"):
         make_strategy("allreduce", None, "fp16", min_numel=10)  # type: ignore[arg-type]
+
+
+RANDOMK = "randomk:ratio=0.01"
+RANDOMK_SEGMENTS = [("w", 30_000), ("b", 5_000)]
+
+
+def _randomk_both_ways(rank: int, world: int) -> dict:
+    backend = TorchDistBackend()
+    x = torch.randn(35_000, generator=torch.Generator().manual_seed(rank))
+    shapes, keys = [torch.Size([n]) for _, n in RANDOMK_SEGMENTS], [k for k, _ in RANDOMK_SEGMENTS]
+    ctx = Ctx(seed=5, step=3, rank=rank)  # the rank differs, the drawn positions must not
+    out = {"x": x}
+    for name in ("allgather", "allreduce"):
+        s = make_strategy(name, backend, RANDOMK, error_feedback=False)
+        out[name] = s.exchange(x.clone(), "bucket", ctx, average=True, shapes=shapes, keys=keys).wait()
+        out[name + "_stats"] = s.take_stats().as_dict()
+    return out
+
+
+def test_randomk_allgather_packets_carry_no_indices_and_decode_on_every_rank():
+    ranks = run_ranks(_randomk_both_ways, 2)
+    c = gradwire.compressor(RANDOMK)
+    # The oracle, in this (third) process: every rank's packet decoded and summed in rank order.
+    want = torch.zeros(35_000)
+    offset = 0
+    for key, n in RANDOMK_SEGMENTS:
+        for r, got in enumerate(ranks):
+            packet = c.encode(got["x"][offset: offset + n], Ctx(seed=5, step=3, rank=r, key=Ctx.key_of(key)))
+            want[offset: offset + n] += c.decode(packet.tensor())
+        offset += n
+    want /= 2
+    a, b = ranks
+    assert torch.equal(a["allgather"], want) and torch.equal(b["allgather"], want)
+    # the summable allreduce path draws the same positions (its sums round differently)
+    assert torch.equal(a["allreduce"] != 0, want != 0) and int((want != 0).sum()) == 300 + 50
+    torch.testing.assert_close(a["allreduce"], want, rtol=1e-6, atol=1e-4)  # values ~100: a few ulps
+    # on the wire: a length table and each segment's key, values and sentinel; no indices
+    sizes = [c.static_size(n, torch.float32) for _, n in RANDOMK_SEGMENTS]
+    assert sizes == [80 + 8 + 1200 + 8, 80 + 8 + 200 + 8]
+    assert a["allgather_stats"]["bytes_sent"] == 8 * 2 + sum(sizes)
+    assert a["allreduce_stats"]["bytes_sent"] == 4 * (300 + 50)

@@ -50,8 +50,13 @@ class CostModel:
         return 2 * (world - 1) * self.alpha + (nbytes_out + 16 * (world - 1)) * self.beta
 
 
-def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5) -> CostModel:
-    """Fit alpha and beta from timed allreduces of `small` and `large` float32 elements."""
+def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5,
+            enough_s: float = 0.1, start: int = 1 << 18) -> CostModel:
+    """Fit alpha and beta from timed allreduces of `small` float32 elements and of a large size
+    grown 4x at a time from `start` until one allreduce takes `enough_s` (or reaches `large`):
+    on a fast link that is `large`, on a 20 Mbit/s link `start` (1 MB, well past the bursts a
+    shaper lets through at line rate), so a slow network is not probed for many seconds. The ranks agree on each step (the
+    mean of their times decides), so they run the same collectives."""
     world = backend.world_size
 
     def timed(n: int) -> float:
@@ -59,12 +64,19 @@ def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int 
         backend.allreduce(t).wait()  # warm-up
         samples = []
         for _ in range(repeat):
-            start = time.perf_counter()
+            began = time.perf_counter()
             backend.allreduce(t).wait()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+            samples.append(time.perf_counter() - began)
+        mean = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+        return float(backend.allreduce(mean).wait()) / world  # the same number on every rank
 
-    t_small, t_large = timed(small), timed(large)
+    t_small = timed(small)
+    n = min(start, large)
+    t_large = timed(n)
+    while t_large < enough_s and n < large:
+        n = min(4 * n, large)
+        t_large = timed(n)
+    large = n
     steps = max(2 * (world - 1), 1)
     alpha = max(t_small / steps, 1e-7)
     beta = max((t_large - t_small) / (2 * (world - 1) / world * 4 * (large - small)) if world > 1 else 1e-10, 1e-12)
@@ -199,7 +211,7 @@ class Auto(Strategy):
     def choose(self, sizes: list[int], dtype: torch.dtype) -> str:
         if self.choice is None:
             times = self.predict(self.plan_sizes or sizes, dtype)
-            self.choice = min(times, key=lambda n: times[n])
+            self.choice = prefer(times)
             log.info("gradwire auto: %s for %d tensors of %d elements in all; modelled: %s", self.choice,
                      len(self.plan_sizes or sizes), sum(self.plan_sizes or sizes),
                      ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in times.items()))
@@ -225,6 +237,22 @@ class Auto(Strategy):
         self.choice = state["choice"]
         for n, s in state["subs"].items():
             self.subs[n].load_state_dict(s)
+
+
+# Candidates in the order of how little they change the training algorithm: dense is exact, bf16
+# rounds, allgather sums every rank's own top-k, hierarchical each node's, oktopk and artopk keep
+# about k entries of the global sum (artopk: at one rank's positions), so they lose more per step.
+PREFERENCE = ("dense", "bf16", "allgather", "hierarchical", "oktopk", "artopk")
+MARGIN = 0.10  # a candidate this much slower than the fastest, by the model, still counts as as fast
+
+
+def prefer(times: dict[str, float], margin: float = MARGIN) -> str:
+    """The first candidate in PREFERENCE order modelled within `margin` of the fastest: a
+    near-tie (these models are a few percent apart at 4 ranks) goes to the exchange that
+    changes the algorithm least, so `auto` does not trade accuracy for nothing."""
+    best = min(times.values())
+    ranked = [n for n in PREFERENCE if n in times] + [n for n in times if n not in PREFERENCE]
+    return next(n for n in ranked if times[n] <= best * (1 + margin))
 
 
 def oktopk_seconds(m: CostModel, k: int, item: int, world: int) -> float:

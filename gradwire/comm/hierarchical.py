@@ -66,6 +66,49 @@ def node_layout(backend: Backend, ranks_per_node: int | None = None) -> tuple[in
     return node, members[node].index(rank), sizes.pop()
 
 
+def node_chunks(numel: int, parts: int, shapes: list[torch.Size] | None = None, keys: list[str] | None = None,
+                key: int | str = 0) -> list[tuple[int, int, list[torch.Size] | None, list[str] | None]]:
+    """The bucket cut into `parts` chunks of about equal size: (start, end, shapes, keys) each.
+
+    With the bucket's tensor shapes, cuts fall on row boundaries (dim 0) of the tensor they
+    land in, so each chunk is a list of whole tensors or row blocks that keep their matrix
+    shape: per-tensor compressors (PowerSGD's matrices, `min_numel`'s small tensors, per-tensor
+    top-k) see tensors, not arbitrary slices. A row block's key is the tensor's key + "@<first
+    row>"; the same on every rank, step after step."""
+    cuts = [numel * j // parts for j in range(parts + 1)]
+    if shapes is None or keys is None:
+        return [(cuts[j], cuts[j + 1], None, None) for j in range(parts)]
+    segs = segments_of(torch.empty(numel, device="meta"), key, shapes, keys)
+
+    def row_of(i: int) -> int:
+        shape = shapes[i]
+        return max(segs[i].numel // shape[0], 1) if len(shape) and shape[0] else max(segs[i].numel, 1)
+
+    snapped = [0]
+    for c in cuts[1:-1]:
+        i = next(i for i, g in enumerate(segs) if g.offset <= c < g.offset + g.numel)
+        row = row_of(i)
+        snapped.append(max(snapped[-1], segs[i].offset + round((c - segs[i].offset) / row) * row))
+    snapped.append(numel)
+    out = []
+    for a, b in zip(snapped, snapped[1:]):
+        piece_shapes: list[torch.Size] = []
+        piece_keys: list[str] = []
+        for i, g in enumerate(segs):
+            lo, hi = max(a, g.offset), min(b, g.offset + g.numel)
+            if lo >= hi:
+                continue
+            if (lo, hi) == (g.offset, g.offset + g.numel):
+                piece_shapes.append(torch.Size(shapes[i]))
+                piece_keys.append(g.key)
+            else:
+                row = row_of(i)
+                piece_shapes.append(torch.Size(((hi - lo) // row, *shapes[i][1:])))
+                piece_keys.append(f"{g.key}@{(lo - g.offset) // row}")
+        out.append((a, b, piece_shapes, piece_keys))
+    return out
+
+
 class Hierarchical(Strategy):
     """Dense reduce-scatter in the node, `inner` strategy between nodes, allgather in the node."""
 
@@ -91,8 +134,8 @@ class Hierarchical(Strategy):
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         t0 = time.perf_counter()
         size, local = self.intra.world_size, self.local
-        cuts = [x.numel() * j // size for j in range(size + 1)]
-        chunks = [x[cuts[j]: cuts[j + 1]] for j in range(size)]
+        layout = node_chunks(x.numel(), size, shapes, keys, key)
+        chunks = [x[a:b] for a, b, _, _ in layout]
         received = self.intra.alltoall(chunks).wait()  # 1: the node's parts of chunk `local`
         part = torch.zeros_like(received[0], dtype=_ACC.get(x.dtype, x.dtype))
         for r in received:  # local-rank order: the same sum on every node's local rank j
@@ -102,7 +145,12 @@ class Hierarchical(Strategy):
         # 2: between nodes, under a key naming the bucket's segments and the chunk
         names = "|".join(s.key for s in segments_of(x, key, shapes, keys))
         chunk_key = f"{zlib.crc32(names.encode()):08x}/{local}"
-        summed = self.inner.exchange(part, chunk_key, replace(ctx, key=chunk_key), average=False).wait()
+        _, _, part_shapes, part_keys = layout[local]
+        if part.numel() == 0:  # more local ranks than rows: this chunk is empty on every node
+            summed = part
+        else:
+            summed = self.inner.exchange(part, chunk_key, replace(ctx, key=chunk_key), average=False,
+                                         shapes=part_shapes, keys=part_keys).wait()
         if average:
             summed.div_(self.backend.world_size)
         t2 = time.perf_counter()

@@ -6,8 +6,8 @@ from typing import Iterator
 
 import torch
 
-from . import wire
-from .base import Compressor, Ctx, Piece, check_input, expect
+from . import alloc, wire
+from .base import Compressor, Ctx, Piece, check_input, deliver, expect
 from .finite import all_finite, parts_finite
 from .registry import register
 from .wire import Kind, Packet, Section
@@ -47,11 +47,31 @@ class _Cast(Compressor):
     def _decode(self, pk: Packet) -> torch.Tensor:
         return _to(pk.section(Kind.DATA), pk.dtype)
 
+    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None, *,
+               shape: tuple[int, ...] | torch.Size | None = None, dtype: torch.dtype | None = None,
+               max_numel: int | None = None) -> torch.Tensor:
+        """On the CPU a widening cast writes straight into `out` when it can take the result
+        as it is, else into a fresh tensor from `alloc` (one pass, no copy)."""
+        pk = packet if isinstance(packet, Packet) else wire.parse(packet)
+        if pk.device.type != "cpu" or not pk.numel:
+            return super().decode(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
+        self.check_header(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
+        data = pk.section(Kind.DATA)
+        if data.dtype == pk.dtype:  # nothing to widen: the packet's own memory (or a copy into out)
+            return deliver(data, pk, out)
+        into = alloc.direct(out, pk.numel, pk.dtype)
+        flat = into if into is not None else alloc.empty(pk.numel, pk.dtype)
+        flat.copy_(data)
+        return out if into is not None else deliver(flat, pk, out)
+
     def encode_residual(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
                         ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
         """On the CPU, tile by tile while each is in cache: out = x + residual, cast it into
-        the packet's data, widen that back and subtract it from out, sum out for the check."""
+        the packet's data, widen that back and subtract it from out, sum out for the check.
+        On a GPU all of that is one kernel (`ops.ef_cast`) writing the packet in place."""
         n, dtype = out.numel(), self._dtype(out.dtype)
+        if out.is_cuda and out.is_contiguous() and n:
+            return self._encode_residual_cuda(x, residual, out)
         if dtype == out.dtype and out.is_contiguous() and n:  # lossless: the residual is 0 (NaN is checked)
             if residual is None:
                 out.copy_(x)
@@ -83,6 +103,18 @@ class _Cast(Compressor):
             o.sub_(scratch[: e - s].copy_(d))
             sums.append(o.sum())
         return packet, parts_finite(sums, [flat])
+
+    def _encode_residual_cuda(self, x: torch.Tensor, residual: torch.Tensor | None,
+                              out: torch.Tensor) -> tuple[Packet, torch.Tensor]:
+        from ..cuda import ops
+
+        check_input(self.name, out)
+        n = out.numel()
+        packet = wire.allocate(self.codec_id, out.dtype, tuple(out.shape), [(Kind.DATA, self._dtype(out.dtype), n)],
+                               self.crc, device=out.device)
+        bad = ops.ef_cast(x.detach().reshape(-1).contiguous(), None if residual is None else residual.view(-1),
+                          out.view(-1), packet.sections[0].data)
+        return packet, ops.ok(bad)
 
     def _sent(self, pk: Packet) -> Iterator[Piece]:
         """Widened tile by tile into one cache-sized scratch (no full-size decoded tensor)."""

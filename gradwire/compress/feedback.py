@@ -15,7 +15,8 @@ allocated (on the CPU a fresh 100 MB tensor costs more page faults than the arit
 What the packet decodes to is subtracted by the compressor (`encode_residual`, or the
 pieces of `encode_sent` for DGC): only at the sent positions for sparsifiers, inside the
 encode tiles for quantizers; finiteness is checked there too (`finite.py`). The results are
-bit for bit those of the plain formulas above (tests/feedback_oracle.py keeps them).
+bit for bit those of the plain formulas above (tests/feedback_oracle.py keeps them). On
+CUDA tensors the same steps are fused kernels (gradwire/cuda/kernels/feedback.cu).
 """
 
 from __future__ import annotations
@@ -50,10 +51,16 @@ class _Spares:
 
 def _keep(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor, spares: _Spares | None) -> torch.Tensor:
     """new where the step was finite, else old; the buffer not kept goes back to spares
-    (if given). On the CPU the flag is already known (a pointer swap); on a GPU it is
-    chosen on the device (written into old, no host sync)."""
+    (if given). On the CPU the flag is already known (a pointer swap); on a GPU new is
+    kept and, on the device, overwritten with old only when the flag says the step was
+    not finite (`ops.keep`: no host sync, and no memory moved on a finite step)."""
     if ok.device.type == "cpu":
         keep, drop = (new, old) if bool(ok) else (old, new)
+    elif new.is_contiguous() and old.is_contiguous():
+        from ..cuda import ops
+
+        ops.keep(ok, new, old)
+        keep, drop = new, old
     else:
         keep, drop = torch.where(ok, new, old, out=old), new
     if spares is not None:
@@ -61,7 +68,9 @@ def _keep(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor, spares: _Spare
     return keep
 
 
-_TILE = 1 << 19  # elements per step of DGC's momentum update on the CPU (u is reread from cache)
+#: Elements per step of DGC's momentum update on the CPU (u is reread from cache). 4 MiB
+#: tiles measured faster than L2-sized ones, whose per-op Python overhead dominates.
+_TILE = 1 << 20
 
 
 def _check_like(what: str, name: str, x: torch.Tensor, state: torch.Tensor) -> None:
@@ -161,7 +170,7 @@ class DGCMomentum:
         u, v = self._spares.take(grad), self._spares.take(grad)
         self._accumulate(grad.detach().reshape(-1), u_old.view(-1), v_old.view(-1), u.view(-1), v.view(-1))
         packet, pieces = self.compressor.encode_sent(v, ctx)
-        ok = _mask(u.view(-1), v.view(-1), pieces)
+        ok = _mask(u.view(-1), v.view(-1), pieces, getattr(self.compressor, "sends_input_values", False))
         self.u[name] = _keep(ok, u, u_old, self._spares)
         self.v[name] = _keep(ok, v, v_old, self._spares)
         return packet
@@ -172,6 +181,11 @@ class DGCMomentum:
         order: IEEE addition commutes). In cache-sized tiles on the CPU, so u is still in
         cache when v is made (one trip through memory for each tensor)."""
         m, n = self.momentum, g.numel()
+        if g.is_cuda:  # one fused kernel (feedback.cu)
+            from ..cuda import ops
+
+            ops.dgc_accumulate(g.contiguous(), u_old, v_old, u, v, m, self.nesterov)
+            return
         step = _TILE if g.device.type == "cpu" else max(n, 1)
         for s in range(0, n, step):
             e = min(n, s + step)
@@ -205,14 +219,27 @@ class DGCMomentum:
         self._spares.clear()
 
 
-def _mask(u: torch.Tensor, v: torch.Tensor, pieces: Iterator[Piece]) -> torch.Tensor:
+def _mask(u: torch.Tensor, v: torch.Tensor, pieces: Iterator[Piece], own_values: bool = False) -> torch.Tensor:
     """v -= sent; u *= (sent == 0) (momentum-factor masking), piece by piece; whether v is
-    finite (checked where pieces are, as `Compressor.encode_residual` explains)."""
-    sums, parts = [], []
+    finite (checked where pieces are, as `Compressor.encode_residual` explains).
+
+    `own_values`: the sent values are v's own elements (topk, dgc, threshold), so v - sent
+    is +0 wherever it is finite: a scatter of zeros, no gather. A non-finite v there
+    makes the sent value non-finite, which the check sees (the step is then dropped)."""
+    sums, parts, bad = [], [], None
     for where, sent in pieces:
+        if not isinstance(where, slice) and where.is_cuda:  # one kernel at the sent positions
+            from ..cuda import ops
+
+            bad = ops.dgc_sent(u, v, where, sent, bad)
+            continue
         if isinstance(where, slice):
             part = v[where].sub_(sent)
             u[where].mul_(sent == 0)
+        elif own_values and where.device.type == "cpu":
+            part = sent
+            v.index_fill_(0, where, 0.0)
+            u.index_copy_(0, where, u.index_select(0, where).mul_(sent == 0))
         else:
             part = v.index_select(0, where).sub_(sent)
             v.index_copy_(0, where, part)
@@ -220,7 +247,11 @@ def _mask(u: torch.Tensor, v: torch.Tensor, pieces: Iterator[Piece]) -> torch.Te
         if part.device.type == "cpu":
             sums.append(part.sum())
         parts.append(part)
-    return parts_finite(sums, parts)
+    if bad is None:
+        return parts_finite(sums, parts)
+    from ..cuda import ops
+
+    return ops.ok(bad) & parts_finite(sums, parts) if parts else ops.ok(bad)
 
 
 def _check_spec(c: Compressor, state: dict[str, Any]) -> None:

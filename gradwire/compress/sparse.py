@@ -1,10 +1,11 @@
 """Sparsifiers: `topk`, `randomk`, `threshold`, `dgc` (codec ids 6-9, role "sparse").
 
 Packet: an index section -- INDICES (raw ascending int32, int64 when numel >= 2**31) or
-INDICES_PACKED (uint8, see `indexcodec`) -- then VALUES (the kept elements, input dtype);
-`randomk` adds a SENTINEL (one float32: 0, or NaN when the input held NaN/Inf). Decode
-validates counts, order, range and the packed layout before it allocates the output,
-then scatters the values into zeros.
+INDICES_PACKED (uint8, see `indexcodec`) -- then VALUES (the kept elements, input dtype).
+`randomk` sends no indices: a META section holds the stream key its positions are drawn
+from, and a SENTINEL (one float32: 0, or NaN when the input held NaN/Inf) follows VALUES.
+Decode validates counts, order, range and the packed layout before it allocates the
+output, then scatters the values into zeros.
 
 Selection works on *magnitude keys*: an element's bits with the sign cleared, read as an
 integer. Keys order like |x| and put NaN above Inf (every NaN is clamped to one key),
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import WireFormatError
-from . import indexcodec, rng, wire
+from . import alloc, indexcodec, rng, wire
 from .base import Compressor, Ctx, Param, Piece, check_input
 from .finite import parts_finite
 from .registry import register
@@ -454,6 +455,8 @@ class _Sparse(Compressor):
         """Where the values are the input's own, the residual there is v - v = +0 for every
         finite v: one scatter of zeros, no gather. Every NaN/Inf is among the sent values
         (largest magnitudes / at least the threshold), so they alone decide finiteness."""
+        if self.sends_input_values and out.is_cuda:
+            return self._encode_residual_cuda(x, residual, out, ctx)
         if not self.sends_input_values or out.is_cuda:
             return super().encode_residual(x, residual, out, ctx)
         if residual is None:
@@ -464,6 +467,20 @@ class _Sparse(Compressor):
         values = packet.section(Kind.VALUES)
         out.view(-1).index_fill_(0, idx, 0.0)
         return packet, parts_finite([values.sum()], [values])
+
+    def _encode_residual_cuda(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
+                              ctx: Ctx | None) -> tuple[Packet, torch.Tensor]:
+        """out = x + residual (one pass into the spare buffer: the old state must survive a
+        non-finite step), select from it, then one kernel at the k sent positions only:
+        out[idx] -= values (+0 for finite values) and the finiteness flag."""
+        from ..cuda import ops
+
+        if residual is None:
+            out.copy_(x)
+        else:
+            torch.add(x, residual, out=out)
+        packet, idx = self.encode_selected(out, ctx)
+        return packet, ops.ok(ops.ef_sub_sent(out.view(-1), idx, packet.section(Kind.VALUES)))
 
     def encode_selected(self, x: torch.Tensor, ctx: Ctx | None = None) -> tuple[Packet, torch.Tensor]:
         """encode(x) and the ascending int64 indices it selected."""
@@ -562,8 +579,23 @@ class _Sparse(Compressor):
             _raise_if(err, f"{self.name}: INDICES are out of range for {pk.numel} elements or not strictly ascending")
             return out
         idx = self._indices(pk)  # validated before the output exists
-        out = torch.zeros(pk.numel, dtype=pk.dtype, device=values.device)
+        out = alloc.zeros(pk.numel, pk.dtype) if values.device.type == "cpu" else \
+            torch.zeros(pk.numel, dtype=pk.dtype, device=values.device)
         return out.index_copy_(0, idx, values)
+
+    def decode(self, packet: Packet | torch.Tensor, out: torch.Tensor | None = None, *,
+               shape: tuple[int, ...] | torch.Size | None = None, dtype: torch.dtype | None = None,
+               max_numel: int | None = None) -> torch.Tensor:
+        """On the CPU, where the values are the input's own (a plain scatter), straight into
+        `out` when it can take the result as it is: zeroed, then the values scattered."""
+        pk = packet if isinstance(packet, Packet) else wire.parse(packet)
+        into = alloc.direct(out, pk.numel, pk.dtype) if self.sends_input_values else None
+        if into is None or pk.device.type != "cpu":
+            return super().decode(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
+        self.check_header(pk, out, shape=shape, dtype=dtype, max_numel=max_numel)
+        idx = self._indices(pk)  # validated before out is touched
+        into.zero_().index_copy_(0, idx, pk.sections[1].data)
+        return out
 
 
 class _FixedK(_Sparse):
@@ -638,21 +670,24 @@ class RandomK(_FixedK):
 
     The tensor is cut into k strata ``[floor(i*n/k), floor((i+1)*n/k))``; stratum i sends
     one uniformly chosen element, decoded as ``value * len_i``, so E[decode] = x. The
-    choice depends on (seed, step, key) but not on the rank, so every rank picks the same
-    indices and payloads are summable. VALUES hold the unscaled elements; the SENTINEL is
-    0, or NaN when the input held NaN/Inf, and is added (times 0) to the whole decoded
-    tensor so an overflow is never hidden by sampling.
+    choice is a function of the 64-bit stream key of (seed, step, key) -- not of the rank,
+    so every rank picks the same elements and payloads are summable. No indices travel:
+    the packet's META holds that key and the receiver draws the positions again (a forged
+    key can only move each value within its own stratum). VALUES hold the unscaled
+    elements; the SENTINEL is 0, or NaN when the input held NaN/Inf, and is added (times 0)
+    to the whole decoded tensor so an overflow is never hidden by sampling.
     """
 
     name = "randomk"
     codec_id = 7
-    params = (_RATIO, _K, _INDICES)
+    params = (_RATIO, _K)  # no `indices`: there are none on the wire
     stochastic = True
     summable = True
     feedback_helps = False  # scaled to be unbiased: residuals would grow, not shrink
     _sentinel = True
     sends_input_values = False  # scaled by the stratum length on decode
 
+    # ---- the draw ------------------------------------------------------------------
     @staticmethod
     def _strata(numel: int, k: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(start, length) of each of the k strata, int64."""
@@ -660,36 +695,68 @@ class RandomK(_FixedK):
             empty = torch.empty(0, dtype=torch.int64, device=device)
             return empty, empty
         q, r = divmod(numel, k)
+        if torch.device(device).type == "cpu":  # NumPy divides by a scalar with libdivide: ~3x torch
+            edges = np.arange(k + 1, dtype=np.int64)
+            if r:
+                extra = edges * r
+                extra //= k
+                edges *= q
+                edges += extra
+            else:
+                edges *= q
+            return torch.from_numpy(edges[:-1]), torch.from_numpy(np.diff(edges))
         i = torch.arange(k + 1, dtype=torch.int64, device=device)
         edges = i * q + (i * r) // k
         return edges[:-1], edges[1:] - edges[:-1]
 
-    def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        ops = _cuda_ops(flat)
-        if ops is not None and k:
-            key = rng.stream_key(ctx.seed, ctx.step, 0, ctx.key, stream=self.codec_id)
-            return ops.randomk(flat, k, key, -(-flat.numel() // k) >= 1 << 24)
-        idx = self._sample(flat.numel(), k, ctx, flat.device)
-        return idx, _gather(flat, idx)
+    @staticmethod
+    def _long(numel: int, k: int) -> bool:
+        """Strata of 2**24 elements or more draw 48 bits (two 24-bit draws) instead of 24."""
+        return k > 0 and -(-numel // k) >= 1 << 24
 
-    def _sample(self, numel: int, k: int, ctx: Ctx, device: torch.device | str) -> torch.Tensor:
-        if k == 0:
-            return torch.empty(0, dtype=torch.int64, device=device)
+    def _key(self, ctx: Ctx) -> tuple[int, int]:
+        return rng.stream_key(ctx.seed, ctx.step, 0, ctx.key, stream=self.codec_id)  # rank-free: summable
+
+    def _draw(self, numel: int, k: int, key: tuple[int, int],
+              device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the k drawn positions, ascending int64; the strata lengths): `rng.randbelow` of
+        each length (floor(u24 * len / 2**24)), or floor(u48 * len / 2**48) from two 24-bit
+        draws when strata reach 2**24 elements. The same integers as the CUDA kernels."""
         start, length = self._strata(numel, k, device)
-        key = rng.stream_key(ctx.seed, ctx.step, 0, ctx.key, stream=self.codec_id)  # rank-free: summable
-        if -(-numel // k) < 1 << 24:
+        if k == 0:
+            return start, length
+        if not self._long(numel, k):
             off = rng.randbelow(key, length)
-        else:  # strata longer than 2**24: floor(u48 * len / 2**48) from two 24-bit draws
+        else:
             hi = rng.bits24(key, k, device).to(torch.int64)
             lo = rng.bits24(key, k, device, start=k).to(torch.int64)
-            off = (hi * length + ((lo * length) >> 24)) >> 24
-        return start.add_(off)
+            off = hi.mul_(length).add_(lo.mul_(length).bitwise_right_shift_(24)).bitwise_right_shift_(24)
+        return off.add_(start), length
+
+    def _sample(self, numel: int, k: int, ctx: Ctx, device: torch.device | str) -> torch.Tensor:
+        return self._draw(numel, k, self._key(ctx), device)[0]
+
+    # ---- sizes and sections --------------------------------------------------------
+    def _section_sizes(self, numel: int, dtype: torch.dtype) -> list[int]:
+        """META (the int64 stream key), VALUES[k], SENTINEL (one float32): always known."""
+        return [8, self.value_count(numel) * torch.empty((), dtype=dtype).element_size(), 4]
+
+    def max_section_sizes(self, numel: int, dtype: torch.dtype) -> list[int]:
+        return self._section_sizes(numel, dtype)
 
     def _selected(self, flat: torch.Tensor, ctx: Ctx) -> tuple[list[Section], torch.Tensor]:
-        sections, idx = super()._selected(flat, ctx)
+        numel = flat.numel()
+        k = self.value_count(numel)
+        key = self._key(ctx)
         ops = _cuda_ops(flat)
+        if ops is not None and k:
+            idx, values = ops.randomk(flat, k, key, self._long(numel, k))
+        else:
+            idx = self._draw(numel, k, key, flat.device)[0]
+            values = _gather(flat, idx)
         sentinel = ops.sentinel(flat) if ops is not None else _sentinel(flat).reshape(1)
-        return sections + [Section(Kind.SENTINEL, sentinel)], idx
+        return [Section(Kind.META, _key_section(key, flat.device)), Section(Kind.VALUES, values),
+                Section(Kind.SENTINEL, sentinel)], idx
 
     def pieces(self, pk: Packet, idx: torch.Tensor, values: torch.Tensor) -> Iterator[Piece]:
         """Values scaled by their stratum length, as `_scatter` does; an overflow sentinel
@@ -702,20 +769,35 @@ class RandomK(_FixedK):
         if nonfinite.is_cuda or not bool(torch.isfinite(nonfinite)):
             yield slice(0, numel), (nonfinite.float() * 0).to(pk.dtype).expand(numel)
 
-    def _check_indices(self, idx: torch.Tensor, numel: int) -> None:
-        k = idx.numel()
-        if k == 0:
-            return
-        start, length = self._strata(numel, k, idx.device)
-        off = idx.to(torch.int64) - start
-        if not bool(((off >= 0) & (off < length)).all()):
-            raise WireFormatError(f"{self.name}: INDICES are not one per stratum "
-                                  f"(out of range, out of order or forged)")
+    # ---- decode -------------------------------------------------------------------
+    def _check(self, pk: Packet) -> None:
+        kinds = pk.kinds()
+        if kinds != [Kind.META, Kind.VALUES, Kind.SENTINEL]:
+            raise WireFormatError(f"{self.name}: expected sections [META, VALUES, SENTINEL] (no indices: the "
+                                  f"key in META draws them), packet has [{', '.join(k.name for k in kinds)}]")
+        meta, values, sentinel = (s.data for s in pk.sections)
+        if meta.dtype != torch.int64 or meta.numel() != 1:
+            raise WireFormatError(f"{self.name}: META must be one int64 (the stream key), got "
+                                  f"{meta.dtype} x{meta.numel()}")
+        if values.dtype != pk.dtype:
+            raise WireFormatError(f"{self.name}: VALUES dtype {values.dtype} is not the tensor dtype {pk.dtype}")
+        k = self.value_count(pk.numel)
+        if values.numel() != k:
+            raise WireFormatError(f"{self.name}: VALUES count {values.numel()} does not match k={k} "
+                                  f"for {pk.numel} elements ({self})")
+        if sentinel.dtype != torch.float32 or sentinel.numel() != 1:
+            raise WireFormatError(f"{self.name}: SENTINEL must be one float32, got "
+                                  f"{sentinel.dtype} x{sentinel.numel()}")
+
+    def _indices(self, pk: Packet) -> torch.Tensor:
+        """The positions of a checked packet's values, drawn again from its key."""
+        meta, values = pk.sections[0].data, pk.sections[1].data
+        return self._draw(pk.numel, values.numel(), _key_of(int(meta[0])), values.device)[0]
 
     def _scatter(self, idx: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype,
                  nonfinite: torch.Tensor) -> torch.Tensor:
         k = idx.numel()
-        out = torch.zeros(numel, dtype=dtype, device=values.device)
+        out = alloc.zeros(numel, dtype) if values.device.type == "cpu" else torch.zeros(numel, dtype=dtype, device=values.device)  # huge pages: 512x fewer faults
         if k:
             _, length = self._strata(numel, k, values.device)
             out.index_copy_(0, idx, (values.to(torch.float32) * length).to(dtype))
@@ -725,14 +807,11 @@ class RandomK(_FixedK):
         return out
 
     def _decode(self, pk: Packet) -> torch.Tensor:
-        values = pk.sections[1].data
+        meta, values, sentinel = (s.data for s in pk.sections)
         ops = _cuda_ops(values)
         if ops is not None:
-            out, err = ops.scatter_randomk(self._raw_or_decoded(pk), values, pk.numel, pk.sections[2].data)
-            _raise_if(err, f"{self.name}: INDICES are not one per stratum (out of range, out of order or forged)")
-            return out
-        idx = self._indices(pk)
-        return self._scatter(idx, pk.sections[1].data, pk.numel, pk.dtype, pk.sections[2].data[0])
+            return ops.scatter_randomk(meta, values, pk.numel, sentinel, self._long(pk.numel, values.numel()))
+        return self._scatter(self._indices(pk), values, pk.numel, pk.dtype, sentinel[0])
 
     # ---- summable --------------------------------------------------------------------
     def to_summable(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
@@ -751,3 +830,21 @@ class RandomK(_FixedK):
             raise ValueError(f"{self.name}: summable payload has shape {tuple(payload.shape)}, expected ({k},)")
         idx = self._sample(numel, k, ctx, payload.device)
         return self._scatter(idx, payload, numel, like.dtype, _sentinel(payload)).reshape(like.shape)
+
+
+def _key_section(key: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """randomk's META: the stream key (k0 + 2**32 * k1) as one int64, on `device`
+    (a CUDA copy from pinned memory, asynchronous: an encode that never syncs)."""
+    w = key[0] | key[1] << 32
+    word = torch.tensor([w - (1 << 64) if w >= 1 << 63 else w], dtype=torch.int64)
+    if device.type == "cpu":
+        return word
+    out = torch.empty(1, dtype=torch.int64, device=device)
+    wire.copy_host_bytes(out.view(torch.uint8), word.numpy().tobytes())
+    return out
+
+
+def _key_of(word: int) -> tuple[int, int]:
+    """The two 32-bit words of a META key (as `rng.stream_key` returns them)."""
+    word &= (1 << 64) - 1
+    return word & 0xFFFFFFFF, word >> 32

@@ -62,6 +62,7 @@ class EmulatorLauncher:
         self.schedule = schedule if schedule is not None else Schedule()
         self.source, self.sms, self.host, self.tsan = source, sms, host, tsan
         self.launches = 0
+        self.names: list[str] = []  # every launch in order, as "file:name" (tests read it)
 
     def launch(self, file: str, name: str, grid: int, block: int, args: tuple) -> None:
         from .emulator import load
@@ -80,6 +81,7 @@ class EmulatorLauncher:
                 raise EmulatorError(f"{name}: ThreadSanitizer reports {races} data race(s):\n{report[-6000:]}")
         kernel(grid, block, conv, self.schedule)
         self.launches += 1
+        self.names.append(f"{file}:{name}")
 
     def stream(self, device: torch.device) -> ContextManager[None]:
         return contextlib.nullcontext()

@@ -41,20 +41,29 @@ INSTANTIATIONS: dict[str, tuple[str, ...]] = {
         + _names("sample_keys", _DT) + _names("randomk_pick", _DT)),
     "bytes.cu": ("planes_split<2>", "planes_split<4>", "planes_merge<2>", "planes_merge<4>"),
     "scatter.cu": tuple(
-        _names("scatter_sorted", _DT, ("int", "long long")) + _names("scatter_randomk", _DT, ("int", "long long"))
+        _names("scatter_sorted", _DT, ("int", "long long")) + _names("scatter_randomk", _DT)
         + _names("fill_sentinel", _DT)),
+    "feedback.cu": tuple(
+        [f"ef_cast<{s}, {d}>" for s in _DT for d in _DT]
+        + _names("ef_seg_reduce", _DT, range(5)) + _names("ef_fp8", _DT, (0, 1)) + _names("ef_int8", _DT)
+        + _names("ef_stochastic", _DT) + _names("ef_sign", _DT, (0, 1))
+        + _names("ef_sub_sent", _DT, ("int", "long long")) + _names("dgc_accumulate", _DT)
+        + _names("dgc_sent", _DT, ("int", "long long")) + ["ef_keep<u16>", "ef_keep<u32>"]),
 }
 
 
-def source(file: str, kernel_dir: Path = KERNEL_DIR) -> str:
+def source(file: str, kernel_dir: Path = KERNEL_DIR, _seen: set[str] | None = None) -> str:
     """The text of one kernel file with its local headers inlined: CuPy's disk cache is keyed
     by the source text, so a changed header must change the text too. (`kernel_dir`: a copy
-    of the sources, e.g. the emulator's mutation check.)"""
+    of the sources, e.g. the emulator's mutation check.) Each header is inlined once per file."""
+    seen = set() if _seen is None else _seen
     lines = []
     for line in (Path(kernel_dir) / file).read_text().splitlines():
         m = re.fullmatch(r'\s*#include "([\w.]+\.cuh)"\s*', line)
         if m:
-            lines.append(source(m.group(1), kernel_dir).replace("#pragma once\n", ""))  # included once per file
+            if m.group(1) not in seen:
+                seen.add(m.group(1))
+                lines.append(source(m.group(1), kernel_dir, seen).replace("#pragma once\n", ""))
         else:
             lines.append(line)
     return "\n".join(lines) + "\n"

@@ -69,23 +69,34 @@ def chunk_stats(x: torch.Tensor, chunk: int, fin: int, param: float = 0.0) -> tu
     them per chunk), whose partials one thread per chunk merges in order: deterministic.
     """
     n = x.numel()
+    per = 2 if fin == FIN_ONEBIT else 1
+    nch = -(-n // chunk)
+    scales = _empty(per * nch if fin != FIN_SENTINEL else 1, torch.float32, x)
+    f0, f1 = _empty(nch, torch.float32, x), _empty(nch, torch.float32, x)
+    _stats(x, chunk, fin, param, scales, f0, f1, None)
+    return scales, f0, f1
+
+
+def _stats(x: torch.Tensor, chunk: int, fin: int, param: float, scales: torch.Tensor, f0: torch.Tensor,
+           f1: torch.Tensor, corrected: tuple | None) -> None:
+    """`chunk_stats` into given outputs; `corrected` = (e, add, out): of x + e instead of x
+    (feedback.cu's `ef_seg_reduce`, which also writes x + e into out)."""
+    n = x.numel()
     nch = -(-n // chunk)
     seg = max(min(chunk, 4096), -(-chunk // 1024))
     spc = -(-chunk // seg)
     nseg = nch * spc
-    per = 2 if fin == FIN_ONEBIT else 1
-    scales = _empty(per * nch if fin != FIN_SENTINEL else 1, torch.float32, x)
-    f0 = _empty(nch, torch.float32, x)
-    f1 = _empty(nch, torch.float32, x)
     pa, pb = _empty(nseg, torch.float32, x), _empty(nseg, torch.float32, x)
     pc = _empty(nseg, torch.int32, x)
     dt, op = _DT[x.dtype], _OP_OF[fin]
+    geometry = (_i64(n), _i64(chunk), _i64(seg), _i64(spc), _i64(nseg), pa, pb, pc)
     with on_torch_stream(x.device):
-        _launch("elementwise.cu", f"seg_reduce<{dt}, {op}>", x.device, 32 * nseg,
-                (x, _i64(n), _i64(chunk), _i64(seg), _i64(spc), _i64(nseg), pa, pb, pc))
+        if corrected is None:
+            _launch("elementwise.cu", f"seg_reduce<{dt}, {op}>", x.device, 32 * nseg, (x,) + geometry)
+        else:
+            _launch("feedback.cu", f"ef_seg_reduce<{dt}, {op}>", x.device, 32 * nseg, (x,) + corrected + geometry)
         _launch("elementwise.cu", f"seg_finish<{op}, {fin}>", x.device, nch,
                 (pa, pb, pc, _i64(nch), _i64(spc), _i64(n), _i64(chunk), np.float32(param), scales, f0, f1))
-    return scales, f0, f1
 
 
 def _groups(n: int) -> int:
@@ -180,6 +191,119 @@ def sign_decode(bits: torch.Tensor, scales: torch.Tensor, n: int, chunk: int, tw
         with on_torch_stream(bits.device):
             _launch("elementwise.cu", f"{name}<{_DT[dtype]}>", bits.device, n, (bits, scales, _i64(n), _i64(chunk), y))
     return y
+
+
+# ---- error feedback and DGC momentum (feedback.cu) -----------------------------------------
+# Each `ef_*` takes x, the residual e (None on the first step) and out (x's shape, contiguous):
+# out = x + e, the packet's sections are written in place, out becomes x + e - decode(packet).
+# They return `bad` (int32[1]): 1 when the new residual holds a NaN/Inf (`ok` turns it into
+# the flag `_keep` takes). Only per-chunk scratch is allocated, never a full-size tensor.
+def _flag(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=x.device)
+
+
+def ok(bad: torch.Tensor) -> torch.Tensor:
+    """0-d bool on the device: the step's new state is all finite (no host sync)."""
+    return torch.eq(bad[0], 0)
+
+
+def _corr(x: torch.Tensor, e: torch.Tensor | None) -> tuple:
+    return (x, x if e is None else e, np.int32(e is not None))
+
+
+def ef_cast(x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """data = cast(x + e) (same dtype: a copy), out = x + e - widen(data), in one pass."""
+    bad, n = _flag(x), x.numel()
+    with on_torch_stream(x.device):
+        _launch("feedback.cu", f"ef_cast<{_DT[x.dtype]}, {_DT[data.dtype]}>", x.device, n,
+                _corr(x, e) + (_i64(n), data, out, bad))
+    return bad
+
+
+def _ef_chunked(x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor, chunk: int, fin: int, param: float,
+                scales: torch.Tensor, f1: torch.Tensor | None, name: str, args: tuple) -> torch.Tensor:
+    """Statistics of x + e (written to out), then `name` (args after out, n, chunk) fused."""
+    n = x.numel()
+    nch = -(-n // chunk)
+    f0 = _empty(nch, torch.float32, x)
+    _stats(x, chunk, fin, param, scales, f0, f1 if f1 is not None else _empty(nch, torch.float32, x),
+           _corr(x, e)[1:] + (out,))
+    bad = _flag(x)
+    with on_torch_stream(x.device):
+        _launch("feedback.cu", name, x.device, _groups(n),
+                (out, _i64(n), _i64(chunk)) + tuple(f0 if a is None else a for a in args) + (bad,))
+    return bad
+
+
+def ef_fp8(x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor, chunk: int, e5m2: bool, fmax: float,
+           scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    return _ef_chunked(x, e, out, chunk, FIN_FP8, fmax, scales, None,
+                       f"ef_fp8<{_DT[x.dtype]}, {int(e5m2)}>", (None, scales, codes.view(torch.uint8)))
+
+
+def ef_int8(x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor, chunk: int, scales: torch.Tensor,
+            offsets: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    return _ef_chunked(x, e, out, chunk, FIN_INT8, 0.0, scales, offsets,
+                       f"ef_int8<{_DT[x.dtype]}>", (None, offsets, scales, codes))
+
+
+def ef_stochastic(x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor, chunk: int, levels: int, bits: int,
+                  key: tuple[int, int], norm: bool, scales: torch.Tensor, signs: torch.Tensor,
+                  packed: torch.Tensor) -> torch.Tensor:
+    return _ef_chunked(x, e, out, chunk, FIN_QSGD if norm else FIN_TERN, float(levels), scales, None,
+                       f"ef_stochastic<{_DT[x.dtype]}>",
+                       (None, scales, np.float32(levels), np.int32(bits), np.uint32(key[0]), np.uint32(key[1]),
+                        signs, packed))
+
+
+def ef_sign(x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor, chunk: int, two_means: bool,
+            scales: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    return _ef_chunked(x, e, out, chunk, FIN_ONEBIT if two_means else FIN_SIGN, 0.0, scales, None,
+                       f"ef_sign<{_DT[x.dtype]}, {int(two_means)}>", (scales, bits))
+
+
+def ef_sub_sent(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, bad: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """out[idx] -= vals at the sent positions only (idx unique); bad as above (or ORed into `bad`)."""
+    bad = _flag(out) if bad is None else bad
+    k = idx.numel()
+    if k:
+        with on_torch_stream(out.device):
+            _launch("feedback.cu", f"ef_sub_sent<{_DT[out.dtype]}, {_idx_type(idx)}>", out.device, k,
+                    (out, idx, vals.contiguous(), _i64(k), bad))
+    return bad
+
+
+def dgc_accumulate(g: torch.Tensor, u_old: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
+                   m: float, nesterov: bool) -> None:
+    """u = m * u_old + g; v = v_old + u (Nesterov: v_old + (m * u + g)), one pass."""
+    n = g.numel()
+    if n:
+        with on_torch_stream(g.device):
+            _launch("feedback.cu", f"dgc_accumulate<{_DT[g.dtype]}>", g.device, n,
+                    (g, u_old, v_old, u, v, _i64(n), np.float32(m), np.int32(int(nesterov))))
+
+
+def dgc_sent(u: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, sent: torch.Tensor,
+             bad: torch.Tensor | None = None) -> torch.Tensor:
+    """v[idx] -= sent; u[idx] *= (sent == 0); a non-finite v[idx] sets bad (new, or the one given)."""
+    bad = _flag(v) if bad is None else bad
+    k = idx.numel()
+    if k:
+        with on_torch_stream(v.device):
+            _launch("feedback.cu", f"dgc_sent<{_DT[v.dtype]}, {_idx_type(idx)}>", v.device, k,
+                    (u, v, idx, sent.contiguous(), _i64(k), bad))
+    return bad
+
+
+def keep(ok_flag: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+    """new = old when not ok_flag (0-d bool on the device); no memory moves when it is set."""
+    n = new.numel()
+    if n:
+        word = {2: torch.int16, 4: torch.int32}[new.element_size()]
+        with on_torch_stream(new.device):
+            _launch("feedback.cu", f"ef_keep<{'u16' if word == torch.int16 else 'u32'}>", new.device, n,
+                    (ok_flag.reshape(1).view(torch.uint8), old.view(-1).view(word), new.view(-1).view(word), _i64(n)))
 
 
 # ---- selection -----------------------------------------------------------------------------
@@ -289,21 +413,21 @@ def scatter_sorted(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> tuple[t
     return out, err
 
 
-def scatter_randomk(idx: torch.Tensor, vals: torch.Tensor, numel: int, sentinel_value: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """randomk decode: values times their stratum length at their (checked) stratum index;
-    everything NaN when the sentinel is non-finite. Returns (out, error flag)."""
+def scatter_randomk(key: torch.Tensor, vals: torch.Tensor, numel: int, sentinel_value: torch.Tensor,
+                    long_strata: bool) -> torch.Tensor:
+    """randomk decode: each value times its stratum length at the position the packet's key
+    (int64[1], read on the device: no host sync) draws in that stratum; everything NaN when
+    the sentinel is non-finite. Nothing to check: every drawn position is in range."""
     out = _empty(numel, vals.dtype, vals)
-    err = torch.zeros(1, dtype=torch.int32, device=vals.device)
-    k = idx.numel()
+    k = vals.numel()
     s = sentinel_value.reshape(1).to(torch.float32).contiguous()
     with on_torch_stream(vals.device):
         if numel:
             _launch("scatter.cu", f"fill_sentinel<{_DT[vals.dtype]}>", vals.device, numel, (out, _i64(numel), s))
         if k:
-            _launch("scatter.cu", f"scatter_randomk<{_DT[vals.dtype]}, {_idx_type(idx)}>", vals.device, k,
-                    (idx, vals, _i64(k), _i64(numel), s, out, err))
-    return out, err
+            _launch("scatter.cu", f"scatter_randomk<{_DT[vals.dtype]}>", vals.device, k,
+                    (vals, _i64(k), _i64(numel), key.reshape(1).contiguous(), np.int32(int(long_strata)), s, out))
+    return out
 
 
 # ---- byte planes ---------------------------------------------------------------------------

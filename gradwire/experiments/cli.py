@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=0, help="per-rank batch (0: the task's default)")
     p.add_argument("--lr", type=float, default=0.0, help="learning rate (0: the task's default)")
     p.add_argument("--seeds", default="0", help="comma list of seeds (model init, data order, compressor RNG)")
+    p.add_argument("--link-seeds", action="append", default=[], metavar="LINK=SEEDS",
+                   help="other seeds for one link, e.g. 100mbit=0,1,2 (repeatable); other links use --seeds")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--strategy", default="default",
                    help="'default' (allreduce for summable payloads, allgather otherwise) or a gradwire strategy")
@@ -95,6 +97,13 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
             rate_bits(link)
     if args.ranks_per_node < 1 or args.nodes < 0:
         raise ValueError("--ranks-per-node must be >= 1 and --nodes >= 0")
+    link_seeds: dict[str, list[int]] = {}
+    for item in args.link_seeds:
+        link, eq, seeds = item.partition("=")
+        if not eq or link.strip() not in links:
+            raise ValueError(f"--link-seeds takes LINK=SEEDS with LINK one of --links ({', '.join(links)}), "
+                             f"got {item!r}")
+        link_seeds[link.strip()] = _csv(int, seeds)
     worlds = [args.nodes * args.ranks_per_node] if args.nodes else _csv(int, args.worlds)
     if any(w < 1 for w in worlds):
         raise ValueError(f"world sizes must be >= 1, got {worlds}")
@@ -116,7 +125,8 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
                  args.error_feedback, str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None,
-                 args.min_numel, args.engine, args.ranks_per_node, args.start_iter, args.warmup, args.precondition, not args.lr)
+                 args.min_numel, args.engine, args.ranks_per_node, link_seeds, start_iter=args.start_iter,
+                 warmup=args.warmup, precondition=args.precondition, task_lr=not args.lr)
 
 
 def main(argv: list[str] | None = None) -> int:

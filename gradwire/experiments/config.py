@@ -28,22 +28,15 @@ class Method:
 
 def parse_method(spec: str, strategy: str = "default", error_feedback: str = "auto", min_numel: int = 0) -> Method:
     """Map a method string onto (compressor, strategy, options, error feedback); bad input raises ValueError.
-    `min_numel` (tensors with fewer elements go uncompressed) applies to the allgather and auto strategies."""
+    `min_numel` (tensors with fewer elements go uncompressed) applies to the allgather, auto, oktopk and
+    hierarchical (its inner allgather) strategies."""
     spec = spec.strip()
     if spec in ("none", "dense"):
         return Method("dense", "none", "dense", {}, False)
-    if spec.split(":")[0] == "powersgd":
-        options: dict[str, Any] = {}
-        for item in spec.split(":", 1)[1].split(",") if ":" in spec else []:
-            name, _, value = item.partition("=")
-            if name != "rank" or not value.isdigit():
-                raise ValueError(f"powersgd takes rank=<int>, got {item!r} in {spec!r}")
-            options["rank"] = int(value)
-        options.setdefault("rank", 1)
-        ef = error_feedback != "off"
-        return Method(f"powersgd:rank={options['rank']}", "none", "powersgd", options, ef)
     label = spec
     spec, _, via = spec.partition("@")  # "topk:ratio=0.01@oktopk": this method's own strategy
+    if spec.split(":")[0] == "powersgd":
+        return _powersgd(spec, via, error_feedback)
     c = make_compressor(spec)  # raises ValueError naming what was wrong
     canonical = str(c)
     if via:
@@ -55,8 +48,26 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
     else:
         chosen = strategy
     ef = resolve_error_feedback(error_feedback, c)  # "auto": the library's rule, Compressor.feedback_helps
-    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto", "oktopk") else {}
+    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto", "oktopk", "hierarchical") else {}
     return Method(label, canonical, chosen, options, ef)
+
+
+def _powersgd(spec: str, via: str, error_feedback: str) -> Method:
+    """`powersgd:rank=R` (its own all-reduce), or `powersgd:rank=R@hierarchical` (between nodes)."""
+    options: dict[str, Any] = {}
+    for item in spec.split(":", 1)[1].split(",") if ":" in spec else []:
+        name, _, value = item.partition("=")
+        if name != "rank" or not value.isdigit():
+            raise ValueError(f"powersgd takes rank=<int>, got {item!r} in {spec!r}")
+        options["rank"] = int(value)
+    options.setdefault("rank", 1)
+    ef = error_feedback != "off"  # PowerSGD's own error feedback, on unless asked off
+    label = f"powersgd:rank={options['rank']}"
+    if not via:
+        return Method(label, "none", "powersgd", options, ef)
+    if via != "hierarchical":
+        raise ValueError(f"powersgd runs on its own all-reduce or between nodes (@hierarchical), not @{via}")
+    return Method(f"{label}@hierarchical", "none", "hierarchical", {"inner": "powersgd", **options}, ef)
 
 
 def expand_methods(items: list[str], ratios: list[float]) -> list[str]:
@@ -96,7 +107,7 @@ class RunConfig:
     strategy: str = "default"
     error_feedback: str = "auto"
     data_dir: str | None = None
-    min_numel: int = 0  # tensors under this many elements are sent uncompressed (allgather/auto only)
+    min_numel: int = 0  # tensors under this many elements are sent uncompressed (allgather-based strategies)
     engine: str = "ddp"  # "ddp" or "fsdp" (FSDP2 fully_shard, gradwire's compressed reduce-scatter)
     ranks_per_node: int = 1  # ranks sharing a node (its namespace and shaped link in the emulated cluster)
     start_iter: int = -1  # dense steps before compression starts (-1: the hook's default, 2 with state)

@@ -7,14 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import tta as time_to_accuracy
 from .projection import PROJECTED_LINKS, PROJECTED_RANKS, profile, table
 
 STEP_FIELDS = ["run_id", "method", "world", "link", "type", "step", "epoch", "loss", "accuracy", "test_loss",
                "perplexity", "step_s", "compute_s", "encode_s", "exchange_s", "decode_s", "collectives",
-               "bytes_sent", "bytes_received", "dense_bytes", "cum_bytes_sent", "wall_s"]
+               "bytes_sent", "bytes_received", "intra_bytes_sent", "dense_bytes", "cum_bytes_sent", "wall_s"]
 RUN_FIELDS = ["run_id", "task", "arch", "width", "method", "compressor", "strategy", "error_feedback", "world",
               "link", "seed", "steps", "params", "accuracy", "perplexity", "bytes_sent", "dense_bytes",
-              "compression", "train_s", "median_step_s", "command"]
+              "compression", "train_s", "median_step_s", "command", "intra_bytes_sent", "inter_node_wire_bytes"]
 
 
 def read_steps(out: Path, run_id: str) -> list[dict[str, Any]]:
@@ -30,7 +31,9 @@ def run_row(s: dict[str, Any]) -> dict[str, Any]:
             "seed": cfg["seed"], "steps": cfg["steps"], "params": s["params"], "accuracy": final.get("accuracy"),
             "perplexity": final.get("perplexity"), "bytes_sent": s["bytes_sent"], "dense_bytes": s["dense_bytes"],
             "compression": s["dense_bytes"] / max(s["bytes_sent"], 1), "train_s": s["train_s"],
-            "median_step_s": s["median_step_s"], "command": s.get("command", "")}
+            "median_step_s": s["median_step_s"], "command": s.get("command", ""),
+            "intra_bytes_sent": s["intra_bytes_sent_per_rank"][0] if s.get("intra_bytes_sent_per_rank") else None,
+            "inter_node_wire_bytes": s.get("inter_node_wire_bytes_per_rank")}
 
 
 def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,7 +121,7 @@ def seed_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def markdown(rows: list[dict[str, Any]], front: list[dict[str, Any]], projections: list[dict[str, Any]],
-             plots: list[str], alpha: float) -> str:
+             plots: list[str], alpha: float, tta_lines: list[str] | None = None) -> str:
     lm = any(r["perplexity"] is not None for r in rows)
     lines = ["# gradwire experiment report", "",
              "Bytes are what each rank handed to its collectives, as counted by gradwire's comm layer "
@@ -135,6 +138,7 @@ def markdown(rows: list[dict[str, Any]], front: list[dict[str, Any]], projection
         lines.append(f"| {r['method']} | {r['world']} | {r['link']} | {r['accuracy']:.2f} |{ppl} "
                      f"{_fmt_bytes(r['bytes_sent'])} | {fewer} | {r['train_s']:.1f} | {r['median_step_s'] * 1e3:.1f} |")
     lines += seed_table(rows)
+    lines += tta_lines or []
     lines += ["", "## Pareto front (accuracy vs bytes, per task/world/link)", "",
               "| method | world | link | accuracy [%] | bytes sent/rank |", "|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['world']} | {r['link']} | {r['accuracy']:.2f} | {_fmt_bytes(r['bytes_sent'])} |"
@@ -175,7 +179,13 @@ def write_report(out: Path, summaries: list[dict[str, Any]], alpha: float = 50e-
     projections = [row for link in PROJECTED_LINKS for row in table(profiles, link, alpha)]
     write_csv(out / "projection.csv", ["method", "strategy", "link"] + [f"P={n}" for n in PROJECTED_RANKS],
               projections)
+    tta = time_to_accuracy.rows(rows, {s["run_id"]: s for s in summaries}, steps)
+    if tta:
+        write_csv(out / "time_to_accuracy.csv", list(tta[0]), tta)
     plots = plot(out, rows, steps) if make_plots and rows else []
-    (out / "report.md").write_text(markdown(rows, pareto(rows), projections, plots, alpha))
+    if make_plots and tta:
+        plots += time_to_accuracy.plot(out, tta, steps)
+    (out / "report.md").write_text(markdown(rows, pareto(rows), projections, plots, alpha,
+                                            time_to_accuracy.markdown(tta)))
     return {name: out / name for name in ["results.jsonl", "runs.csv", "steps.csv", "projection.csv", "report.md",
-                                           *plots]}
+                                           *(["time_to_accuracy.csv"] if tta else []), *plots]}

@@ -37,6 +37,7 @@ class Sweep:
     min_numel: int = 0
     engine: str = "ddp"
     ranks_per_node: int = 1
+    link_seeds: dict[str, list[int]] = field(default_factory=dict)  # seeds of one link instead of `seeds`
     start_iter: int = -1  # -1: the task's default for PowerSGD (Task.tuned), else the hook's
     warmup: int = -1  # -1: the task's default for sparsifiers
     precondition: str = "auto"  # "auto" (the task's default for sparsifiers), "none" or a spec such as "adam"
@@ -46,7 +47,7 @@ class Sweep:
         out = []
         for link in self.links:
             for world in self.worlds:
-                for seed in self.seeds:
+                for seed in self.link_seeds.get(link, self.seeds):
                     for method in expand_methods(self.methods, self.ratios):
                         start, warmup, pre = self._tuned(method)
                         cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
@@ -114,14 +115,25 @@ def finished(cfg: RunConfig, run_dir: Path) -> dict[str, Any] | None:
     return summary if summary.get("config") == cfg.to_dict() else None
 
 
-class _Progress:
-    """A rich progress bar when rich is installed and the output is a terminal; plain lines otherwise."""
+def _eta(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
 
-    def __init__(self, total: int, enabled: bool) -> None:
+
+class _Progress:
+    """A rich progress bar when rich is installed and the output is a terminal; otherwise plain
+    lines, and every `every` seconds of a run a line with its steps and the time left (of the run,
+    and of the sweep from the runs run so far), so a log shows a long sweep moving."""
+
+    def __init__(self, total: int, enabled: bool, every: float = 30.0) -> None:
         self.bar = None
         self.total = total
         self.done = 0
         self.enabled = enabled
+        self.every = every
+        self.label, self.steps_total = "", 0
+        self.run_started = self.last_line = 0.0
+        self.ran: list[float] = []  # seconds per run actually run (not cached)
         if enabled:
             try:
                 from rich.console import Console
@@ -138,6 +150,8 @@ class _Progress:
                 pass
 
     def start(self, label: str, steps: int) -> None:
+        self.label, self.steps_total = label, steps
+        self.run_started = self.last_line = time.monotonic()
         if self.bar is not None:
             self.bar.update(self.task, description=label)
             self.bar.reset(self.steps, total=steps, visible=True)
@@ -147,8 +161,23 @@ class _Progress:
     def step(self, done: int) -> None:
         if self.bar is not None:
             self.bar.update(self.steps, completed=done)
+            return
+        now = time.monotonic()
+        if not self.enabled or now - self.last_line < self.every:
+            return
+        self.last_line = now
+        elapsed = now - self.run_started
+        left = elapsed * (self.steps_total - done) / done if done else None
+        line = f"    {self.label}: step {done}/{self.steps_total}, {elapsed:.0f} s"
+        if left is not None:
+            line += f", about {_eta(left)} left"
+            per_run = (sum(self.ran) + elapsed + left) / (len(self.ran) + 1)
+            line += f"; sweep {self.done}/{self.total} done, about {_eta(left + per_run * (self.total - self.done - 1))} left"
+        print(line, flush=True)
 
-    def finish(self, line: str) -> None:
+    def finish(self, line: str, ran: bool = False) -> None:
+        if ran:
+            self.ran.append(time.monotonic() - self.run_started)
         self.done += 1
         if self.bar is not None:
             self.bar.console.print(line)
@@ -195,7 +224,7 @@ def run_sweep(configs: list[RunConfig], out: Path, progress: bool = True, timeou
                 summary["command"] = command_for(cfg, out)
                 (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             summaries.append(summary)
-            bar.finish(describe(summary, skipped))
+            bar.finish(describe(summary, skipped), ran=not skipped)
     finally:
         bar.close()
     return summaries

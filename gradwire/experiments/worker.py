@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import statistics
@@ -104,6 +105,19 @@ def shard(model: torch.nn.Module, mesh: Any = None) -> torch.nn.Module:
     return model
 
 
+def link_tx_bytes() -> int | None:
+    """Bytes this rank's node has sent out of its network interface so far (`GLOO_SOCKET_IFNAME`
+    in the emulated cluster: the node's one link to the switch, so exactly its inter-node traffic
+    with TCP/IP headers), or None on loopback."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    if iface == "lo":
+        return None
+    try:
+        return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 class _FSDPStats:
     """The DDP state's `last_stats`, read from the FSDP hook's per-step totals."""
 
@@ -155,7 +169,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
     records = open(run_dir / "steps.jsonl", "w") if rank == 0 else None
     params = sum(p.numel() for p in model.parameters())
-    totals = {"bytes_sent": 0, "bytes_received": 0, "dense_bytes": 0}
+    totals = {"bytes_sent": 0, "bytes_received": 0, "dense_bytes": 0, "intra_bytes_sent": 0}
     wall = 0.0
     step_times: list[float] = []
     loader = batches(len(ds.x), cfg.batch * world, rank, world, cfg.seed)
@@ -177,6 +191,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
 
     dist.barrier()
     metrics = log_eval(0)
+    tx_start = link_tx_bytes()
     for step in range(1, cfg.steps + 1):
         idx = next(loader)
         x, y = ds.x[idx], ds.y[idx]
@@ -204,6 +219,10 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
             raise FloatingPointError(f"rank {rank}: loss became {float(loss)} at step {step}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics = log_eval(step)
+    dist.barrier()  # every rank of every node is done sending: the link counters cover all training steps
+    tx_end = link_tx_bytes()
+    if tx_start is not None and tx_end is not None and rank % cfg.ranks_per_node == 0:
+        totals["node_link_tx_bytes"] = tx_end - tx_start  # the node's first rank reports its node
     compute_ref = reference_compute(bare if cfg.engine != "ddp" else model, task, ds, loader)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, totals)
@@ -222,9 +241,16 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
                "bytes_sent_per_rank": [r["bytes_sent"] for r in per_rank],
                "bytes_received_per_rank": [r["bytes_received"] for r in per_rank],
                "dense_bytes_per_rank": [r["dense_bytes"] for r in per_rank],
+               "intra_bytes_sent_per_rank": [r["intra_bytes_sent"] for r in per_rank],
                "bytes_sent": per_rank[0]["bytes_sent"], "dense_bytes": per_rank[0]["dense_bytes"],
                "train_s": wall, "median_step_s": statistics.median(steady), "compute_ref_s": compute_ref,
                "steps": cfg.steps, "torch": torch.__version__}
+    choice = getattr(getattr(state, "_strategy", None), "choice", None)
+    if choice is not None:  # what `auto` chose (its cost model is in the rank logs)
+        summary["auto_choice"] = choice
+    links = [r["node_link_tx_bytes"] for r in per_rank if "node_link_tx_bytes" in r]
+    if links:  # measured on the emulated cluster's links: what really crossed between nodes
+        summary["inter_node_wire_bytes_per_rank"] = sum(links) / world
     return summary
 
 
@@ -232,6 +258,8 @@ def main(argv: list[str]) -> int:
     run_dir, rank, addr, port = Path(argv[0]), int(argv[1]), argv[2], int(argv[3])
     cfg = RunConfig(**json.loads((run_dir / "config.json").read_text()))
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("gradwire").setLevel(logging.INFO)  # auto's measurements and choice, in rank<N>.log
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=cfg.world,
                             timeout=timedelta(seconds=float(os.environ.get("GRADWIRE_EXPERIMENT_TIMEOUT", "300"))))
     try:

@@ -83,7 +83,8 @@ class GradwireState:
         self._tuned = -1  # the step whose warm-up compressor the strategy holds
         self.compressor = str(c)
         self.strategy_name = strategy
-        if strategy == "powersgd" and error_feedback == "auto":
+        powersgd = strategy == "powersgd" or (strategy == "hierarchical" and strategy_options.get("inner") == "powersgd")
+        if powersgd and error_feedback == "auto":
             error_feedback = True  # PowerSGD's own error feedback, on by default as in torch's powerSGD_hook
         self.error_feedback = resolve_error_feedback(error_feedback, c)
         stateful = (self.error_feedback or strategy in ("powersgd", "artopk", "oktopk", "hierarchical")
@@ -146,7 +147,7 @@ class GradwireState:
         if self._strategy is None:
             backend = TorchDistBackend(self.process_group)
             options = dict(self.strategy_options)
-            if self.strategy_name == "powersgd":
+            if self.strategy_name == "powersgd" or options.get("inner") == "powersgd":
                 options.setdefault("seed", self.seed)  # PowerSGD's shared random init
             self._strategy = make_strategy(self.strategy_name, backend, self.compressor,
                                            error_feedback=self.error_feedback, **options)

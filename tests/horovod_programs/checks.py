@@ -36,6 +36,8 @@ SPECS = [
     ("onebit", True, 0.25), ("topk:ratio=0.1", True, 0.25), ("randomk:ratio=0.2", False, 0.25),
     ("threshold:threshold=0.01", True, 0.25), ("dgc:ratio=0.1", True, 0.25),
     ("topk:ratio=0.1+fp16", True, 0.25), ("zstd", True, 0.2),
+    # summable, but Horovod 0.28 cannot allreduce bf16: its packets (no indices) go by allgather
+    ("randomk:ratio=0.5+bf16", False, 0.25),
 ]
 
 

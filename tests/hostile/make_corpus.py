@@ -71,16 +71,22 @@ def crc(spec: str) -> int:
     return gradwire.compressor(spec).crc
 
 
-def sparse_packet(codec: int, config: int, numel: int, dtype=torch.float32, sentinel=False,
+def sparse_packet(codec: int, config: int, numel: int, dtype=torch.float32,
                   values: torch.Tensor | None = None) -> torch.Tensor:
     """One raw index (0) and one value in a tensor of `numel` elements."""
     idx = torch.zeros(1, dtype=torch.int32 if numel < 2**31 else torch.int64)
     vals = values if values is not None else torch.ones(1, dtype=dtype)
     sections = [Section(Kind.INDICES, idx), Section(Kind.VALUES if values is None or values.dtype != torch.uint8
                                                     else Kind.NESTED, vals)]
-    if sentinel:
-        sections.append(Section(Kind.SENTINEL, torch.zeros(1)))
     return Packet(codec, dtype, (numel,), sections, config).tensor()
+
+
+def randomk_packet(config: int, numel: int, k: int, key: int = 0) -> torch.Tensor:
+    """A randomk packet (no indices: META holds the key they are drawn from) of k values
+    in a tensor of `numel` elements."""
+    sections = [Section(Kind.META, torch.tensor([key])), Section(Kind.VALUES, torch.ones(k)),
+                Section(Kind.SENTINEL, torch.zeros(1))]
+    return Packet(7, torch.float32, (numel,), sections, config).tensor()
 
 
 def zstd_frame_header(content_size: int, checksum: bool = True) -> bytes:
@@ -115,8 +121,9 @@ def build() -> None:
     add(2, "topk k=1 numel 2**32", sparse_packet(6, crc("topk:k=1"), HUGE), spec="topk:k=1", shape=(20,))
     add(2, "topk k=1 fp16 numel 2**32", sparse_packet(6, crc("topk:k=1"), HUGE, torch.float16), spec="topk:k=1",
         shape=(20,), dtype="float16")
-    add(2, "randomk k=1 numel 2**32", sparse_packet(7, crc("randomk:k=1"), HUGE, sentinel=True),
-        spec="randomk:k=1", shape=(20,))
+    add(2, "randomk k=1 numel 2**32", randomk_packet(crc("randomk:k=1"), HUGE, 1), spec="randomk:k=1", shape=(20,))
+    add(2, "randomk k=4 (one value per 2**30) numel 2**32", randomk_packet(crc("randomk:k=4"), HUGE, 4),
+        spec="randomk:k=4", shape=(20,))
     add(2, "threshold numel 2**32", sparse_packet(8, crc("threshold"), HUGE), spec="threshold", shape=(20,))
     add(2, "dgc k=1 numel 2**32", sparse_packet(9, crc("dgc:k=1"), HUGE), spec="dgc:k=1", shape=(20,))
     add(2, "threshold numel 2**28+1 (just above the cap)", sparse_packet(8, crc("threshold"), (1 << 28) + 1),
@@ -152,7 +159,8 @@ def build() -> None:
                         b"".join(rle_block(0, 1 << 17, i == blocks - 1) for i in range(blocks)), (n,), crc("zstd"))
     add(3, "zstd RLE blocks without a checksum", no_sum, spec="zstd", shape=(20,))
     # ---- 4: valid packets for another shape than the receiver's (4, 5)
-    for spec in ("none", "fp16", "int8", "topk:k=1", "threshold", "zstd", "topk:k=1+fp16", "topk:k=1+zstd"):
+    for spec in ("none", "fp16", "int8", "topk:k=1", "randomk:k=1", "threshold", "zstd", "topk:k=1+fp16",
+                 "topk:k=1+zstd"):
         add(4, f"{spec} shape (1,) holding 100", encoded(spec, torch.tensor([100.0])), spec=spec,
             standalone="decodes")
         add(4, f"{spec} shape (5,)", encoded(spec, torch.arange(5.0)), spec=spec, standalone="decodes")

@@ -126,6 +126,7 @@ def parameters_frozen_and_unused(b) -> None:
 @check
 def other_strategies_agree_across_ranks(b) -> None:
     for spec, strategy, options in (("fp16", "allreduce", {}), ("topk:ratio=0.05", "artopk", {}),
+                                    ("randomk:ratio=0.1", "allgather", {}),  # packets without indices
                                     ("topk:ratio=0.05", "oktopk", {}),
                                     ("topk:ratio=0.05", "hierarchical", {"ranks_per_node": max(b.world_size // 2, 1)}),
                                     ("fp16", "auto", {"alpha": 1e-5, "beta": 1e-9}),

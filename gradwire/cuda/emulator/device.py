@@ -6,7 +6,8 @@ the wrappers and wraps the results again; factories asked for `cuda` allocate on
 (uninitialised ones are filled with a poison byte, as fresh device memory holds garbage),
 and kernel launches go to the emulator (gradwire/cuda/launch.py) with the same grids and
 arguments as on a GPU. Device-to-host transfers (`.cpu()`, `.item()`, copies into host
-tensors) are counted in `host_reads`: the emulated counterpart of torch's sync debug mode.
+tensors) are counted in `host_reads`: the emulated counterpart of torch's sync debug mode;
+device allocations can be listed (`count_allocations`), to show a step makes no full-size one.
 What it does not model: streams (everything runs in program order) and pinned memory.
 """
 
@@ -101,6 +102,8 @@ class _Mode(TorchDispatchMode):
             out.view(-1).view(torch.uint8).fill_(_POISON)
         if not on_device:
             return out
+        if self.dev.allocations is not None:
+            self.dev.allocations.extend(_fresh(args, kwargs, out))
         by_host = {id(w.host): w for w in wrapped}
 
         def wrap(o):
@@ -111,6 +114,21 @@ class _Mode(TorchDispatchMode):
             return o
 
         return tree_map(wrap, out)
+
+
+def _fresh(args, kwargs, out) -> list[int]:
+    """Bytes of each storage among an op's outputs that none of its inputs had: what it allocated."""
+    from torch.utils._pytree import tree_leaves
+
+    given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+    sizes, seen = [], set()
+    for o in tree_leaves(out):
+        if isinstance(o, torch.Tensor) and not isinstance(o, EmuTensor):
+            ptr = o.untyped_storage().data_ptr()
+            if ptr not in given and ptr not in seen and o.untyped_storage().nbytes():
+                seen.add(ptr)
+                sizes.append(o.untyped_storage().nbytes())
+    return sizes
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,6 +154,7 @@ class EmulatedDevice:
         kw = {} if source is None else {"source": source}
         self.launcher = launch.EmulatorLauncher(self.schedule, sms=sms, host=host, tsan=tsan, **kw)
         self.host_reads = 0
+        self.allocations: list[int] | None = None  # bytes of each device allocation, while counted
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "EmulatedDevice":
@@ -163,6 +182,18 @@ class EmulatedDevice:
             yield box
         finally:
             box[0] = self.host_reads - start
+
+
+    @contextlib.contextmanager
+    def count_allocations(self) -> Iterator[list[int]]:
+        """Yields a list that collects the bytes of every device allocation made in the block
+        (fresh storages of ops and factories; kernels allocate nothing themselves)."""
+        prev, self.allocations = self.allocations, []
+        box = self.allocations
+        try:
+            yield box
+        finally:
+            self.allocations = prev
 
 
 def _to_device(self: torch.Tensor, device=None, non_blocking: bool = False, **_: Any) -> torch.Tensor:

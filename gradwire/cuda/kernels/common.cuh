@@ -194,3 +194,12 @@ GW_HD u16 rotr1_16(u16 w) { return (u16)((w >> 1) | (w << 15)); }
 
 // Strata of randomk: stratum i is [start(i), start(i+1)), start(i) = i*q + (i*r)/k.
 GW_HD i64 stratum_start(i64 i, i64 q, i64 r, i64 k) { return i * q + (i * r) / k; }
+
+// randomk's draw in stratum i of length len (rng.randbelow): floor(u24 * len / 2^24), or for
+// strata of 2^24 elements or more a 48-bit draw from two 24-bit ones (elements i and k + i).
+// Always in [0, len): a packet's key can move a value only within its own stratum.
+GW_HD i64 randomk_offset(u32 k0, u32 k1, i64 i, i64 k, i64 len, int long_strata) {
+    if (!long_strata) return ((i64)bits24(k0, k1, (u64)i) * len) >> 24;
+    const i64 hi = bits24(k0, k1, (u64)i), lo = bits24(k0, k1, (u64)(k + i));
+    return (hi * len + ((lo * len) >> 24)) >> 24;
+}

@@ -157,8 +157,7 @@ __global__ void set_threshold(const u32* keys, i64 pos, u64* state) {
     if (threadIdx.x == 0 && blockIdx.x == 0) { state[0] = keys[pos]; state[1] = 0; state[2] = 0; state[3] = 0; }
 }
 
-// randomk: index of stratum i's element and the element itself. long_strata: strata of
-// 2^24 elements or more use a 48-bit draw from two 24-bit ones (elements i and k + i).
+// randomk: index of stratum i's element and the element itself (see randomk_offset).
 template <int DT>
 __global__ void randomk_pick(const typename Elem<DT>::T* x, i64 numel, i64 k, u32 k0, u32 k1, int long_strata,
                              i64* idx, typename Elem<DT>::T* vals) {
@@ -166,13 +165,7 @@ __global__ void randomk_pick(const typename Elem<DT>::T* x, i64 numel, i64 k, u3
     GW_LOOP(i, k) {
         const i64 start = stratum_start(i, q, r, k);
         const i64 len = stratum_start(i + 1, q, r, k) - start;
-        i64 off;
-        if (!long_strata) {
-            off = ((i64)bits24(k0, k1, (u64)i) * len) >> 24;
-        } else {
-            const i64 hi = bits24(k0, k1, (u64)i), lo = bits24(k0, k1, (u64)(k + i));
-            off = (hi * len + ((lo * len) >> 24)) >> 24;
-        }
+        const i64 off = randomk_offset(k0, k1, i, k, len, long_strata);
         idx[i] = start + off;
         vals[i] = x[start + off];
     }
