@@ -240,19 +240,29 @@ class Auto(Strategy):
 
 
 # Candidates in the order of how little they change the training algorithm: dense is exact, bf16
-# rounds, allgather sums every rank's own top-k, hierarchical each node's, oktopk and artopk keep
+# rounds, allgather sums every rank's own top-k, hierarchical each node's; oktopk and artopk keep
 # about k entries of the global sum (artopk: at one rank's positions), so they lose more per step.
-PREFERENCE = ("dense", "bf16", "allgather", "hierarchical", "oktopk", "artopk")
+PREFERENCE = ("dense", "bf16", "allgather", "hierarchical")
+APPROXIMATE = ("oktopk", "artopk")
 MARGIN = 0.10  # a candidate this much slower than the fastest, by the model, still counts as as fast
+APPROXIMATE_GAIN = 2.0  # oktopk/artopk must be modelled this many times faster than the others
 
 
-def prefer(times: dict[str, float], margin: float = MARGIN) -> str:
-    """The first candidate in PREFERENCE order modelled within `margin` of the fastest: a
-    near-tie (these models are a few percent apart at 4 ranks) goes to the exchange that
-    changes the algorithm least, so `auto` does not trade accuracy for nothing."""
-    best = min(times.values())
-    ranked = [n for n in PREFERENCE if n in times] + [n for n in times if n not in PREFERENCE]
-    return next(n for n in ranked if times[n] <= best * (1 + margin))
+def prefer(times: dict[str, float], margin: float = MARGIN, gain: float = APPROXIMATE_GAIN) -> str:
+    """The first candidate in PREFERENCE order modelled within `margin` of the fastest of them,
+    unless oktopk or artopk is modelled `gain` times faster still (then the faster of those):
+    a near-tie (these models are a few percent apart at 4 ranks) goes to the exchange that
+    changes training least, and one that keeps fewer entries of the sum must win clearly
+    (as oktopk does on large clusters, where allgather's volume grows with the ranks)."""
+    exact = {n: t for n, t in times.items() if n not in APPROXIMATE}
+    approx = {n: t for n, t in times.items() if n in APPROXIMATE}
+    if exact:
+        best = min(exact.values())
+        ranked = [n for n in PREFERENCE if n in exact] + [n for n in exact if n not in PREFERENCE]
+        choice = next(n for n in ranked if exact[n] <= best * (1 + margin))
+        if not approx or min(approx.values()) * gain > best:
+            return choice
+    return min(approx, key=lambda n: approx[n])
 
 
 def oktopk_seconds(m: CostModel, k: int, item: int, world: int) -> float:
