@@ -54,7 +54,9 @@ def test_link_seeds_give_one_link_more_seeds() -> None:
                                           "--link-seeds", "100mbit=0,1,2", "--nodes", "2", "--ranks-per-node", "2"])
     runs = cli.sweep_from(args).runs()
     assert [(c.link, c.seed) for c in runs] == [("20mbit", 0), ("100mbit", 0), ("100mbit", 1), ("100mbit", 2)]
-    bad = cli.build_parser().parse_args(["--links", "20mbit", "--link-seeds", "1gbit=1"])
+    only = cli.build_parser().parse_args(["--methods", "none", "--links", "1gbit", "--link-seeds", "100mbit=0,1,2"])
+    assert [(c.link, c.seed) for c in cli.sweep_from(only).runs()] == [("1gbit", 0)]  # a partial sweep
+    bad = cli.build_parser().parse_args(["--links", "20mbit", "--link-seeds", "fast=1"])
     with pytest.raises(ValueError, match="--link-seeds"):
         cli.sweep_from(bad)
 
