@@ -40,7 +40,7 @@ def _choices(rank: int, world: int) -> dict:
     fast_net = Auto(backend, "topk:ratio=0.01", alpha=1e-6, beta=1e-12, gamma_encode=1e-8, gamma_decode=1e-8)
     summable = Auto(backend, "fp16", alpha=1e-4, beta=1e-7, gamma_encode=1e-10, gamma_decode=1e-10)
     summable_fast_net = Auto(backend, "fp16", alpha=1e-6, beta=1e-12, gamma_encode=1e-8, gamma_decode=1e-8)
-    measured = Auto(backend, "topk:ratio=0.01")
+    measured = Auto(backend, "topk:ratio=0.01", trials=0)  # the model alone
     x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(rank))
     total = measured.exchange(x, 0, Ctx(rank=rank), average=False).wait()
     return {"slow": slow_net.choose(sizes, torch.float32), "fast": fast_net.choose(sizes, torch.float32),
@@ -69,7 +69,7 @@ def _nodes(rank: int, world: int) -> dict:
                         **common)
     fast_everywhere = Auto(backend, "topk:ratio=0.01", alpha=1e-6, beta=1e-12, intra_alpha=1e-6, intra_beta=1e-12,
                            gamma_encode=1e-7, gamma_decode=1e-7, ranks_per_node=2)
-    measured = Auto(backend, "topk:ratio=0.01", ranks_per_node=2)
+    measured = Auto(backend, "topk:ratio=0.01", ranks_per_node=2, trials=0)
     x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(rank))
     total = measured.exchange(x, 0, Ctx(rank=rank), average=False).wait()
     out = {"slow_between": slow_between.choose(sizes, torch.float32),
@@ -91,3 +91,29 @@ def test_auto_on_two_nodes_weighs_hierarchical_and_bf16_and_agrees_across_ranks(
         assert r["measured_choice"] == a["measured_choice"] and r["models"] == a["models"]
         assert torch.equal(r["total"], a["total"])
     assert all(m.alpha > 0 and m.beta > 0 for m in a["models"])
+
+
+def _trial(rank: int, world: int) -> dict:
+    backend = TorchDistBackend()
+    auto = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9, trials=1)
+    order = auto.candidates([1 << 12], torch.float32)
+    choices, outs = [], []
+    for step in range(len(order) + 2):
+        x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(10 * step + rank))
+        outs.append(auto.exchange(x, 0, Ctx(rank=rank, step=step), average=True).wait())
+        choices.append(auto.choice)
+    return {"order": order, "choices": choices, "measured": auto.measured, "outs": outs}
+
+
+def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
+    """The model shortlists (dense always), each candidate runs one real step, the ranks average
+    their times and choose alike; every step's result is the same on both ranks."""
+    a, b = run_ranks(_trial, 2)
+    n = len(a["order"])
+    assert "dense" in a["order"] and len(a["order"]) >= 2
+    assert a["choices"][:n] == [None] * n and a["choices"][n] is not None  # chosen at the step after the trial
+    assert a["choices"] == b["choices"] and a["measured"] == b["measured"]
+    assert set(a["measured"]) == set(a["order"]) and all(t > 0 for t in a["measured"].values())
+    assert a["choices"][n] == prefer(a["measured"])
+    for x, y in zip(a["outs"], b["outs"]):
+        assert torch.equal(x, y)

@@ -1,8 +1,8 @@
 """Alpha-beta cost model and the `auto` strategy that chooses by it.
 
 Compression is not free, so each candidate's modelled time also counts its encode and
-decode work: seconds per element measured on a probe tensor at start-up (`gamma_encode`,
-`gamma_decode`; allgather decodes P packets). A collective of n bytes over P ranks is
+decode work: seconds per element measured at the first exchange on tensors of the real sizes,
+through error feedback when it is on (`gamma_encode`, `gamma_decode`; allgather decodes P packets). A collective of n bytes over P ranks is
 modelled with ring algorithms:
 allreduce ``2(P-1)·alpha + 2(P-1)/P · n · beta``, allgather of m bytes each
 ``(P-1)·alpha + (P-1) · m · beta``, broadcast ``ceil(log2 P)·(alpha + n·beta)``, all-to-all of
@@ -86,12 +86,25 @@ def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int 
     return CostModel(alpha, beta)
 
 
-def measure_compute(backend: Backend, c: Compressor, numel: int = 1 << 20, repeat: int = 3) -> tuple[float, float]:
-    """Seconds per element to encode and to decode with c, averaged over ranks (so all agree)."""
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    packet = c.encode(x).tensor()
-    t_enc = min(_timed(lambda: c.encode(x).tensor()) for _ in range(repeat))
-    t_dec = min(_timed(lambda: c.decode(packet)) for _ in range(repeat))
+def measure_compute(backend: Backend, c: Compressor, numel: int = 1 << 20, repeat: int = 3,
+                    sizes: list[int] | None = None, error_feedback: bool = False) -> tuple[float, float]:
+    """Seconds per element to encode and to decode with c, averaged over ranks (so all agree).
+    With `sizes`, on tensors of exactly those sizes (and through error feedback if used): a
+    model of many small tensors then pays their per-tensor overheads, which a 1M-element probe
+    hides (10 tensors of 192k elements in all: 2.6 ms to encode, not 0.2)."""
+    from ..compress import ErrorFeedback
+
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, generator=gen) for n in (sizes or [numel])]
+    numel = max(sum(x.numel() for x in xs), 1)
+    ef = ErrorFeedback(c) if error_feedback else None
+
+    def encode_all() -> list:
+        return [(ef.encode(x, i) if ef is not None else c.encode(x)).tensor() for i, x in enumerate(xs)]
+
+    packets = encode_all()
+    t_enc = min(_timed(encode_all) for _ in range(repeat))
+    t_dec = min(_timed(lambda: [c.decode(p) for p in packets]) for _ in range(repeat))
     agreed = torch.tensor([t_enc / numel, t_dec / numel], dtype=torch.float64)
     backend.allreduce(agreed).wait()
     enc, dec = (agreed / backend.world_size).tolist()
@@ -129,10 +142,17 @@ class Auto(Strategy):
     nothing is cheaper on the wire and the sums match torch's bit for bit. For the others, the
     cheapest of dense allreduce, allgather of packets and (for plain top-k) AR-top-k and
     oktopk, by the cost model; on several nodes of several ranks also a bf16 allreduce and
-    `hierarchical`, with the links inside and between nodes measured apart. The choice is made once, from the sizes of all the tensors exchanged
-    (`plan_sizes`, set by the DDP hook from the model's parameters) or else from the first
-    bucket, so it is the same on every rank and does not depend on how tensors are grouped
-    into buckets."""
+    `hierarchical`, with the links inside and between nodes measured apart. The choice is made
+    once, from the sizes of all the tensors exchanged (`plan_sizes`, set by the DDP hook from the
+    model's parameters) or else from the first bucket, so it is the same on every rank and does
+    not depend on how tensors are grouped into buckets. The model only shortlists: with
+    `trials=N` (default 2) each shortlisted candidate, dense and bf16 always among them, runs N
+    real steps, timed with its encode and decode, and the ranks choose by the mean of their
+    times (the model misses what compression costs besides the wire, e.g. per-tensor overheads
+    and ranks sharing cores: at 1 Gbit/s on 4 ranks of 2 cores it modelled top-k allgather at
+    1.9 ms against dense's 10.3 ms; measured, the step was 28 ms against 16). Error feedback of
+    the candidates not chosen is dropped with them (N steps of residual). `trials=0`: the
+    model alone."""
 
     name = "auto"
 
@@ -140,7 +160,7 @@ class Auto(Strategy):
                  alpha: float | None = None, beta: float | None = None,
                  gamma_encode: float | None = None, gamma_decode: float | None = None, min_numel: int = 0,
                  ranks_per_node: int | None = None, intra_alpha: float | None = None,
-                 intra_beta: float | None = None) -> None:
+                 intra_beta: float | None = None, trials: int = 2) -> None:
         super().__init__(backend, compressor, error_feedback=False, min_numel=min_numel)
         if (alpha is None) != (beta is None) or (intra_alpha is None) != (intra_beta is None):
             raise ValueError("give both alpha and beta (intra_alpha and intra_beta) to override the measured "
@@ -150,15 +170,22 @@ class Auto(Strategy):
         c = self.compressor
         self.plan_sizes: list[int] | None = None
         self.choice: str | None = None
+        if int(trials) < 0:
+            raise ValueError(f"trials must be >= 0, got {trials}")
+        self.trials = int(trials)  # steps each candidate is timed for before choosing (0: the model alone)
+        self.measured: dict[str, float] = {}  # candidate -> mean seconds of its trial steps, over ranks
+        self._trial: tuple[int, list[str]] | None = None  # (first step, candidates in trial order)
+        self._spent: dict[str, float] = {}
         if c.summable:
             self.subs: dict[str, Strategy] = {"allreduce": Allreduce(backend, c, error_feedback)}
             self.choice = "allreduce"  # nothing to measure
             return
         self.model = CostModel(alpha, beta) if alpha is not None else measure(backend)  # type: ignore[arg-type]
-        self.gamma = (gamma_encode, gamma_decode) if gamma_encode is not None else \
-            measure_compute(backend, self.compressor)  # type: ignore[assignment]
-        log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s), encode %.3g s/elem, decode %.3g s/elem",
-                 self.model.alpha, self.model.beta, 1e-9 / self.model.beta, *self.gamma)
+        # encode/decode seconds per element: given, or measured at the first exchange on the real sizes
+        self.gamma: tuple[float, float] | None = (gamma_encode, gamma_decode) if gamma_encode is not None else None
+        self._feedback = error_feedback
+        log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s)", self.model.alpha, self.model.beta,
+                 1e-9 / self.model.beta)
         self.subs = {"dense": DenseAllreduce(backend), "allgather": Allgather(backend, c, error_feedback, min_numel)}
         if c.name == "topk":
             from .oktopk import OkTopK
@@ -193,6 +220,10 @@ class Auto(Strategy):
         est = sum(min(p, n * item) for p, n in zip(packed, sizes))  # type: ignore[type-var]
         static = all(self.compressor.static_size(n, dtype) is not None for n in sizes)
         numel = sum(sizes)
+        if self.gamma is None:  # every rank reaches this at the same first exchange: a collective is safe
+            self.gamma = measure_compute(self.backend, self.compressor, sizes=sizes, error_feedback=self._feedback)
+            log.info("gradwire auto: encode %.3g s/elem, decode %.3g s/elem (on the %d tensors, error feedback %s)",
+                     *self.gamma, len(sizes), self._feedback)
         enc, dec = self.gamma
         times["allgather"] = m.allgather(est, world, sized=static) + numel * (enc + world * dec)
         if "artopk" in self.subs:
@@ -208,6 +239,42 @@ class Auto(Strategy):
                                      + numel // g * (enc + nodes * dec))
         return times
 
+    def candidates(self, sizes: list[int], dtype: torch.dtype) -> list[str]:
+        """What the timed trial runs: dense and bf16 always (the model misses what compression
+        costs beside the wire on a busy host), and every other candidate the model puts within
+        3x of its fastest, fastest first."""
+        times = self.predict(self.plan_sizes or sizes, dtype)
+        best = min(times.values())
+        keep = [n for n in sorted(times, key=lambda n: times[n])
+                if n in ("dense", "bf16") or times[n] <= 3 * best]
+        return keep
+
+    def _timed_exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool,
+                        shapes: list[torch.Size] | None, keys: list[str] | None,
+                        sizes: list[int]) -> Work[torch.Tensor] | None:
+        """During the trial, exchange with this step's candidate and time it (synchronously);
+        at the first step after it, agree on the times (mean over ranks, one allreduce that
+        every rank reaches at the same bucket) and choose by `prefer`. None once chosen."""
+        if self._trial is None:
+            self._trial = (ctx.step, self.candidates(sizes, x.dtype))
+        first, order = self._trial
+        i = (ctx.step - first) // self.trials
+        if i < len(order):
+            name = order[i]
+            sub = self.subs[name]
+            sub.into_input = self.into_input
+            began = time.perf_counter()
+            out = sub.exchange(x, key, ctx, average, shapes, keys).wait()
+            self._spent[name] = self._spent.get(name, 0.0) + time.perf_counter() - began
+            return Work.done(out)
+        spent = torch.tensor([self._spent.get(n, 0.0) / self.trials for n in order], dtype=torch.float64)
+        self.backend.allreduce(spent).wait()
+        self.measured = dict(zip(order, (spent / self.backend.world_size).tolist()))
+        self.choice = prefer(self.measured)
+        log.info("gradwire auto: %s after a timed trial of %d steps each: %s", self.choice, self.trials,
+                 ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()))
+        return None
+
     def choose(self, sizes: list[int], dtype: torch.dtype) -> str:
         if self.choice is None:
             times = self.predict(self.plan_sizes or sizes, dtype)
@@ -220,6 +287,10 @@ class Auto(Strategy):
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         sizes = [s.numel for s in segments_of(x, key, shapes, keys)]
+        if self.choice is None and self.trials:
+            trial = self._timed_exchange(x, key, ctx, average, shapes, keys, sizes)
+            if trial is not None:
+                return trial
         sub = self.subs[self.choose(sizes, x.dtype)]
         sub.into_input = self.into_input
         return sub.exchange(x, key, ctx, average, shapes, keys)
@@ -231,7 +302,8 @@ class Auto(Strategy):
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        return {"choice": self.choice, "subs": {n: s.state_dict() for n, s in self.subs.items()}}
+        return {"choice": self.choice, "subs": {n: s.state_dict() for n, s in self.subs.items()}}  # (a resumed
+        # run keeps its choice; a checkpoint taken during the trial restarts it)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.choice = state["choice"]
