@@ -101,7 +101,7 @@ def _train_all(rank: int, world: int) -> dict:
         # randomk is scaled to be unbiased, hence not contractive: error feedback would diverge
         options = {"strategy": strategy.removesuffix("-noef"), "error_feedback": not strategy.endswith("-noef")}
         if strategy == "auto":  # a modelled slow network, so the choice is the same on any machine
-            options.update(alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9)
+            options.update(alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9, trials=0)
         if strategy == "hierarchical":  # 2 "nodes" of world/2 ranks, top-k between them
             options.update(ranks_per_node=world // 2, inner="allgather")
         model, _, state, losses = train(rank, spec, STEPS, options)
