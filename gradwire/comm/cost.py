@@ -2,8 +2,8 @@
 
 Compression is not free, so each candidate's modelled time also counts its encode and
 decode work: seconds per element measured at the first exchange on tensors of the real sizes,
-through error feedback when it is on (`gamma_encode`, `gamma_decode`; allgather decodes P packets). A collective of n bytes over P ranks is
-modelled with ring algorithms:
+through error feedback when it is on (`gamma_encode`, `gamma_decode`; allgather decodes P
+packets). A collective of n bytes over P ranks is modelled with ring algorithms:
 allreduce ``2(P-1)·alpha + 2(P-1)/P · n · beta``, allgather of m bytes each
 ``(P-1)·alpha + (P-1) · m · beta``, broadcast ``ceil(log2 P)·(alpha + n·beta)``, all-to-all of
 n bytes out ``2(P-1)·alpha + n·beta`` (counts first).
@@ -55,8 +55,8 @@ def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int 
     """Fit alpha and beta from timed allreduces of `small` float32 elements and of a large size
     grown 4x at a time from `start` until one allreduce takes `enough_s` (or reaches `large`):
     on a fast link that is `large`, on a 20 Mbit/s link `start` (1 MB, well past the bursts a
-    shaper lets through at line rate), so a slow network is not probed for many seconds. The ranks agree on each step (the
-    mean of their times decides), so they run the same collectives."""
+    shaper lets through at line rate), so a slow network is not probed for many seconds. The
+    ranks agree on each step (the mean of their times decides), so they run the same collectives."""
     world = backend.world_size
 
     def timed(n: int) -> float:
@@ -91,11 +91,17 @@ def measure_compute(backend: Backend, c: Compressor, numel: int = 1 << 20, repea
     """Seconds per element to encode and to decode with c, averaged over ranks (so all agree).
     With `sizes`, on tensors of exactly those sizes (and through error feedback if used): a
     model of many small tensors then pays their per-tensor overheads, which a 1M-element probe
-    hides (10 tensors of 192k elements in all: 2.6 ms to encode, not 0.2)."""
+    hides (10 tensors of 192k elements in all: 2.6 ms to encode, not 0.2). A large model is
+    sampled: its first tensors, up to `numel` elements (at least one tensor)."""
     from ..compress import ErrorFeedback
 
+    sample: list[int] = []
+    for n in sizes or [numel]:
+        if sample and sum(sample) + n > numel:
+            break
+        sample.append(n)
     gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(n, generator=gen) for n in (sizes or [numel])]
+    xs = [torch.randn(n, generator=gen) for n in sample]
     numel = max(sum(x.numel() for x in xs), 1)
     ef = ErrorFeedback(c) if error_feedback else None
 
@@ -141,8 +147,9 @@ class Auto(Strategy):
     """Summable compressors (none, fp16, bf16, randomk) are allreduced, as torch's hooks do:
     nothing is cheaper on the wire and the sums match torch's bit for bit. For the others, the
     cheapest of dense allreduce, allgather of packets and (for plain top-k) oktopk, by the
-    cost model (AR-top-k is not a candidate: it sends one rank's positions for all); on several nodes of several ranks also a bf16 allreduce and
-    `hierarchical`, with the links inside and between nodes measured apart. The choice is made
+    cost model (AR-top-k is not a candidate: it sends one rank's positions for all); on several
+    nodes of several ranks also a bf16 allreduce and `hierarchical`, with the links inside and
+    between nodes measured apart. The choice is made
     once, from the sizes of all the tensors exchanged (`plan_sizes`, set by the DDP hook from the
     model's parameters) or else from the first bucket, so it is the same on every rank and does
     not depend on how tensors are grouped into buckets. The model only shortlists: with
@@ -221,7 +228,8 @@ class Auto(Strategy):
         static = all(self.compressor.static_size(n, dtype) is not None for n in sizes)
         numel = sum(sizes)
         if self.gamma is None:  # every rank reaches this at the same first exchange: a collective is safe
-            self.gamma = measure_compute(self.backend, self.compressor, sizes=sizes, error_feedback=self._feedback)
+            self.gamma = measure_compute(self.backend, self.compressor, numel=1 << 22, sizes=sizes,
+                                         error_feedback=self._feedback)
             log.info("gradwire auto: encode %.3g s/elem, decode %.3g s/elem (on the %d tensors, error feedback %s)",
                      *self.gamma, len(sizes), self._feedback)
         enc, dec = self.gamma

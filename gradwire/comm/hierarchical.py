@@ -76,7 +76,7 @@ def node_chunks(numel: int, parts: int, shapes: list[torch.Size] | None = None, 
     top-k) see tensors, not arbitrary slices. A row block's key is the tensor's key + "@<first
     row>"; the same on every rank, step after step."""
     cuts = [numel * j // parts for j in range(parts + 1)]
-    if shapes is None or keys is None:
+    if shapes is None or keys is None or numel == 0:
         return [(cuts[j], cuts[j + 1], None, None) for j in range(parts)]
     segs = segments_of(torch.empty(numel, device="meta"), key, shapes, keys)
 

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.0, help="learning rate (0: the task's default)")
     p.add_argument("--seeds", default="0", help="comma list of seeds (model init, data order, compressor RNG)")
     p.add_argument("--link-seeds", action="append", default=[], metavar="LINK=SEEDS",
-                   help="other seeds for one link, e.g. 100mbit=0,1,2 (repeatable); other links use --seeds; a link not in --links is ignored, so a sweep can run in parts")
+                   help="other seeds for one link, e.g. 100mbit=0,1,2 (repeatable); other links use --seeds; "
+                        "a link not in --links is ignored, so a sweep can run in parts")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--strategy", default="default",
                    help="'default' (allreduce for summable payloads, allgather otherwise) or a gradwire strategy")

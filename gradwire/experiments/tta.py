@@ -109,7 +109,8 @@ def markdown(tta: list[dict[str, Any]]) -> list[str]:
                 ups = [t["speedup"] for t in m]
                 mean_up = statistics.mean(ups) if all(v is not None for v in ups) else None
                 per_seed = " / ".join(_fmt(v, ".0f") for v in times) if len(m) > 1 else ""
-                lines.append(f"| {method} | {_fmt(mean_t, '.1f')} | {per_seed} | {_fmt(mean_up, '.2f')}{'x' if mean_up is not None else ''} | "
+                up = "-" if mean_up is None else f"{mean_up:.2f}x"
+                lines.append(f"| {method} | {_fmt(mean_t, '.1f')} | {per_seed} | {up} | "
                              f"{statistics.mean(t['final'] for t in m):.2f} | "
                              f"{_mb(statistics.mean(t['bytes_sent'] for t in m))} | "
                              f"{_mb(_mean_or_none([t['intra_bytes_sent'] for t in m]))} | "
