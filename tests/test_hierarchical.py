@@ -121,6 +121,9 @@ def test_chunks_fall_on_row_boundaries_and_keep_matrix_shapes() -> None:
     assert [b - a for a, b, _, _ in one_row] == [0, 0, 30, 0]  # a row is never split; empty chunks skip the exchange
 
 
+_ALIVE: list = []
+
+
 def _powersgd_ddp(rank: int, world: int) -> dict:
     import gradwire.hooks.ddp as ddp_hook
 
@@ -136,6 +139,9 @@ def _powersgd_ddp(rank: int, world: int) -> dict:
         inter.append(stats["bytes_sent"] - stats.get("intra_bytes_sent", 0))
         model.zero_grad()
     torch.distributed.barrier()
+    # the hook's sub-groups must not be destroyed before the result is reported: a gloo group freed
+    # on one of its own threads aborts the process ("Resource deadlock avoided"), seen once under CI load
+    _ALIVE.append((ddp, state))
     return {"inter": inter, "ef": state.error_feedback, "params": [p.detach().clone() for p in model.parameters()]}
 
 
