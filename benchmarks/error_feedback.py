@@ -8,7 +8,9 @@ of `compressor.encode(x)` (bare), of `ErrorFeedback.encode(x)` and of `DGCMoment
 after warm-up steps (steady state: its buffers exist), the bare encode on the very data the
 wrapper compresses (x plus the residual: a threshold's count grows with it). Printed: the times and
 (EF - bare) / add, the cost of error feedback counted in in-place adds (target <= 3), from the
-medians and from the minimums. `--clock thread` times with the thread's CPU clock instead of
+medians, from the minimums, and paired (the median over repetitions of each one's own
+(EF - bare) / add: the fair figure where the data sets the work, as threshold's count, which
+swings from step to step under error feedback). `--clock thread` times with the thread's CPU clock instead of
 the wall clock: on a machine shared with other jobs the time spent waiting for a core then
 drops out (memory-bandwidth contention does not; page faults are counted either way).
 Not a test; numbers go to docs/benchmarks.md.
@@ -67,7 +69,8 @@ def main() -> None:
     print(f"{args.numel:,} fp32 elements, 1 thread, {args.reps} interleaved repetitions, {args.clock} clock; "
           f"times are medians, "
           f"extra/add from medians and (robust to a shared machine's bursts) from minimums")
-    print(f"{'compressor':26s} {'add ms':>7s} {'bare ms':>8s} {'with ms':>8s} {'extra/add':>9s} {'(min)':>6s}")
+    print(f"{'compressor':26s} {'add ms':>7s} {'bare ms':>8s} {'with ms':>8s} {'extra/add':>9s} {'(min)':>6s} "
+          f"{'(paired)':>8s}")
     for spec, kind in rows:
         c = gradwire.compressor(spec)
         wrapper = ErrorFeedback(c) if kind == "ef" else DGCMomentum(c)
@@ -81,8 +84,9 @@ def main() -> None:
             wrapped.append(_time(lambda: wrapper.encode(x, "w", Ctx(step=t))))
         a, b, w = (statistics.median(v) * 1e3 for v in (adds, bare, wrapped))
         lo = (min(wrapped) - min(bare)) / min(adds)
+        paired = statistics.median((wr - br) / ar for wr, br, ar in zip(wrapped, bare, adds))
         label = spec if kind == "ef" else f"DGCMomentum({spec})"
-        print(f"{label:26s} {a:7.1f} {b:8.1f} {w:8.1f} {(w - b) / a:9.2f} {lo:6.2f}", flush=True)
+        print(f"{label:26s} {a:7.1f} {b:8.1f} {w:8.1f} {(w - b) / a:9.2f} {lo:6.2f} {paired:8.2f}", flush=True)
         del wrapper
 
 

@@ -17,6 +17,22 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(feedback, "_TILE", 256)
 
 
+@pytest.fixture(params=["torch", "compiled"])
+def cpu_path(request, monkeypatch):
+    """Both CPU paths of error feedback: torch ops, and the compiled loops (`compiled`),
+    which run when torch uses one thread."""
+    from gradwire.compress import compiled
+
+    if request.param == "compiled" and compiled.loops() is None:
+        pytest.fail("numba is a dependency of gradwire: the compiled loops must import")
+    monkeypatch.setenv("GRADWIRE_COMPILED", "1" if request.param == "compiled" else "0")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    assert compiled.enabled() == (request.param == "compiled")
+    yield request.param
+    torch.set_num_threads(threads)
+
+
 def randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g).to(dtype)

@@ -237,7 +237,7 @@ def _oracle_steps(dtype, n, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("spec", ORACLE_SPECS)
-def test_in_place_error_feedback_matches_the_original_bit_for_bit(spec, dtype, small_tiles):
+def test_in_place_error_feedback_matches_the_original_bit_for_bit(spec, dtype, small_tiles, cpu_path):
     from feedback_oracle import OracleErrorFeedback
 
     c = gradwire.compressor(spec)
@@ -260,7 +260,7 @@ def test_in_place_error_feedback_matches_the_original_bit_for_bit(spec, dtype, s
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("spec", ["topk:ratio=0.1", "dgc:ratio=0.05", "randomk:ratio=0.1", "threshold:threshold=1.0",
                                   "topk:ratio=0.1+fp16", "int8", "fp16"])
-def test_in_place_dgc_momentum_matches_the_original_bit_for_bit(spec, nesterov, small_tiles):
+def test_in_place_dgc_momentum_matches_the_original_bit_for_bit(spec, nesterov, small_tiles, cpu_path):
     from feedback_oracle import OracleDGCMomentum
 
     c = gradwire.compressor(spec)
@@ -287,7 +287,7 @@ def test_error_feedback_reuses_its_buffers():
 
 
 @pytest.mark.parametrize("spec", ["fp8", "fp8:format=e5m2", "qsgd:bits=4", "terngrad", "terngrad:bucket=0"])
-def test_finiteness_judged_from_the_scales_matches_the_original(spec, small_tiles):
+def test_finiteness_judged_from_the_scales_matches_the_original(spec, small_tiles, cpu_path):
     """Quantizers that judge the residual's finiteness from their chunk scales: chunks near
     FLT_MAX (the fallback check) and an overflowing norm (a skipped step)."""
     from feedback_oracle import OracleErrorFeedback

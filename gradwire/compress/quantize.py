@@ -86,7 +86,7 @@ from typing import Iterator
 
 import torch
 
-from . import alloc, rng, wire
+from . import alloc, compiled, rng, wire
 from .base import Compressor, Ctx, Param, Piece, check_input, deliver, expect
 from .finite import parts_finite
 from .registry import register
@@ -262,6 +262,9 @@ class _Residual:
         self._scratch = torch.empty(min(TILE + 8, out.numel()), dtype=out.dtype, device=out.device)
         self._done = False
         self._scales: tuple[torch.Tensor, float] | None = None
+        self._flags: list[bool] = []  # finiteness of tiles written by compiled loops
+        #: the compiled loops (`compiled`), when they can do the subtraction (fp32, one thread)
+        self.fast = compiled.loops() if out.dtype == torch.float32 and compiled.enabled() else None
 
     def by_scales(self, scales: torch.Tensor, limit: float) -> None:
         """Judge finiteness from the chunk scales instead of summing every residual tile.
@@ -307,8 +310,37 @@ class _Residual:
         if self._scales is None:
             self.sums.append(part.sum())
 
+    def subtract_levels(self, s: int, e: int, q: torch.Tensor, step: torch.Tensor, chunk: int) -> None:
+        """`subtract` of ``(-1)**sign * q * step[chunk]`` (qsgd, terngrad; the sign is the
+        corrected input's sign bit) in one compiled pass; the caller checks by scales."""
+        c = self._corrected(s, e)
+        n = compiled.np_view
+        self.fast.residual_levels(n(c), n(q), n(c.view(torch.int32)), n(step), chunk, n(self.flat[s:e]))
+
+    def subtract_affine(self, s: int, e: int, w: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor,
+                        chunk: int) -> None:
+        """`subtract` of ``(w - 127.5) * scale + mid`` per chunk (int8) in one compiled pass."""
+        c = self._corrected(s, e)
+        n = compiled.np_view
+        self._flags.append(bool(self.fast.residual_int8(n(c), n(w), n(scale), n(mid), chunk, n(self.flat[s:e]))))
+
+    def subtract_signs(self, s: int, e: int, scales: torch.Tensor, pairs: bool, chunk: int) -> None:
+        """`subtract` of sign's or onebit's decoded values (from the corrected input's sign
+        bits and the chunk scales) in one compiled pass."""
+        c = self._corrected(s, e)
+        n = compiled.np_view
+        self._flags.append(bool(self.fast.residual_signs(n(c), n(c.view(torch.int32)), n(scales), pairs, chunk,
+                                                         n(self.flat[s:e]))))
+
+    def _corrected(self, s: int, e: int) -> torch.Tensor:
+        return self.flat[s:e] if self._done else self._tile  # type: ignore[return-value]
+
     def finite(self) -> torch.Tensor:
+        if not all(self._flags):
+            return torch.zeros((), dtype=torch.bool)
         if self._scales is None:
+            if self._flags and not self.sums:
+                return torch.ones((), dtype=torch.bool)
             return parts_finite(self.sums, [self.flat])
         scales, limit = self._scales
         lo, hi = torch.aminmax(scales)  # scales are >= 0 or NaN (which both propagate)
@@ -603,7 +635,9 @@ class Int8(_Chunked):
                 q = tiles.i32[:m]
                 q.copy_(w)  # exact: w is integral (NaN from a NaN chunk lands on some code)
                 codes[s:e].copy_(q)
-                if fb is not None:  # decode: (q - 127.5) * scale + (lo + 127.5 * scale); w holds q
+                if fb is not None and fb.fast is not None:
+                    fb.subtract_affine(s, e, w, sc, lo + sc * 127.5, chunk)
+                elif fb is not None:  # decode: (q - 127.5) * scale + (lo + 127.5 * scale); w holds q
                     w.sub_(127.5)
                     for p, f, o in zip(_rows(w, chunk), _split(sc, parts), _split(lo + sc * 127.5, parts)):
                         p.mul_(f).add_(o)
@@ -693,8 +727,11 @@ class _Stochastic(_Chunked):
             self._scale_rows(flat.view(1, -1), scales)
             factor = torch.div(s_lv, scales).clamp_(max=FLT_MAX)
         tiles = _Tiles(flat, 8 if per_tensor else math.lcm(chunk, 8), fb)
+        fast = fb is not None and fb.fast is not None
         for s, e, x in tiles:
             m = e - s
+            if fast:  # signs first: per tensor, x is out's own tile, which the residual overwrites
+                tiles.pack(tiles.signs(x), 1, signs, s)
             w = torch.abs(x, out=tiles.f32[:m])
             if per_tensor:
                 w.mul_(factor)
@@ -715,6 +752,9 @@ class _Stochastic(_Chunked):
                     levels[n:].zero_()  # the zero padding of the last group
             else:
                 tiles.pack(q, b, levels, s)
+            if fast:  # decode and subtract in one compiled pass
+                fb.subtract_levels(s, e, q, (scales if per_tensor else sc) / self.levels, chunk or m)
+                continue
             if fb is not None:  # decode: level * (scale / s), then the sign
                 w.copy_(q)
                 if per_tensor:
@@ -858,7 +898,9 @@ class _OneBit(_Chunked):
                 w, sc = tiles.f32[: e - s], scales[self.per_chunk * c0: self.per_chunk * (c0 + k)]
                 self._stats(x, neg, w, sc)
                 tiles.pack(neg, 1, bits, s)
-                if fb is not None:
+                if fb is not None and fb.fast is not None:
+                    fb.subtract_signs(s, e, sc, self.per_chunk == 2, chunk)
+                elif fb is not None:
                     fb.subtract(s, e, self._decode_tile(neg, sc, w))
         return [Section(Kind.SCALES, scales), Section(Kind.BITS, bits)]
 

@@ -1,0 +1,196 @@
+"""Compiled CPU loops (numba) for the hot paths of error feedback and DGC momentum.
+
+Why: each torch op makes its own pass over a tile, so a formula of five ops costs five
+passes, and a residual written into a spare buffer pays for reading it before the write.
+These loops run a whole update in one pass with the same float32 operations in the same
+order as the torch code they stand in for. LLVM contracts ``a * b + c`` into a fused
+multiply-add only under fast-math flags, and numba sets none, so the results are the torch
+path's bit for bit (tests/test_compiled.py compares both paths).
+
+`loops()` returns the compiled functions, or None. None means the torch path is used,
+which happens when numba cannot be imported, when ``GRADWIRE_COMPILED=0`` is set, or when
+torch runs more than one intra-op thread. In that last case torch's own ops run in
+parallel, and these loops run on one thread only. torchrun defaults to one thread per
+rank when it starts several. Each loop compiles on its first call, and the compiled code
+is cached on disk (numba's ``cache=True``).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+_LOOPS: SimpleNamespace | None = None
+_TRIED = False
+
+#: Bits of |x| for x = FLT_MAX / 8, as int32 (0x7E7FFFFF): DGC's in-place update only runs
+#: while u, v and g all stay at or below this bound (see `DGCMomentum`).
+SAFE_BITS = 0x7E7FFFFF
+
+
+def enabled() -> bool:
+    """Whether the compiled loops may be used now (numba present, one torch thread)."""
+    return torch.get_num_threads() == 1 and os.environ.get("GRADWIRE_COMPILED", "1") != "0" and loops() is not None
+
+
+def loops() -> SimpleNamespace | None:
+    """The compiled loops (numba imported and the functions defined on first use), or None."""
+    global _LOOPS, _TRIED
+    if not _TRIED:
+        _TRIED = True
+        try:
+            _LOOPS = _define()
+        except ImportError:
+            _LOOPS = None
+    return _LOOPS
+
+
+def np_view(t: torch.Tensor):
+    """A NumPy array on t's memory (CPU, contiguous)."""
+    return t.detach().numpy()
+
+
+def _define() -> SimpleNamespace:
+    import numba
+    import numpy as np
+
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+    mag = np.int32(0x7FFFFFFF)
+    exp = np.int32(0x7F800000)
+
+    @jit
+    def absbits_max(bits):
+        """The largest ``bits & 0x7FFFFFFF`` of float32 bit patterns: |x|'s bits, and at
+        least 0x7F800000 iff some x is NaN or Inf. It is an integer reduction, so it is
+        vectorized, where a float max would not be."""
+        best = np.int32(0)
+        for i in range(bits.size):
+            best = max(best, bits[i] & mag)
+        return best
+
+    tile = 16384
+
+    @jit
+    def dgc_inplace(g, u, v, m, nesterov, masked):
+        """u = m*u + g;  v = v + u (Nesterov: v + (m*u + g)), in place, and the largest
+        |u| and |v| bits afterwards (for the next step's overflow bound). First, as the
+        pass reaches them, the masking of the indices in `masked` (ascending, in range:
+        `ascending_below`), exactly as `mask_own`."""
+        n = g.size
+        ub = np.int32(0)
+        vb = np.int32(0)
+        zero = np.float32(0.0)
+        one = np.float32(1.0)
+        p = 0
+        for s in range(0, n, tile):
+            e = min(n, s + tile)
+            while p < masked.size and masked[p] < e:
+                i = masked[p]
+                u[i] = u[i] * (one if v[i] == zero else zero)
+                v[i] = zero
+                p += 1
+            gs, us, vs = g[s:e], u[s:e], v[s:e]
+            ui, vi = us.view(np.int32), vs.view(np.int32)
+            if nesterov:
+                for i in range(e - s):
+                    t = us[i] * m + gs[i]
+                    us[i] = t
+                    vs[i] = (t * m + gs[i]) + vs[i]
+                    ub = max(ub, ui[i] & mag)
+                    vb = max(vb, vi[i] & mag)
+            else:
+                for i in range(e - s):
+                    t = us[i] * m + gs[i]
+                    us[i] = t
+                    vs[i] = vs[i] + t
+                    ub = max(ub, ui[i] & mag)
+                    vb = max(vb, vi[i] & mag)
+        return ub, vb
+
+    @jit
+    def ascending_below(idx, n):
+        """idx strictly ascending, from 0, and below n (safe to hand to `dgc_inplace`)."""
+        prev = -1
+        for j in range(idx.size):
+            if idx[j] <= prev:
+                return False
+            prev = idx[j]
+        return prev < n
+
+    @jit
+    def mask_own(u, v, idx):
+        """Momentum-factor masking where the sent values are v's own: at each sent index,
+        u *= (v == 0) and v = +0 (torch: ``u * (sent == 0)``, then ``index_fill_``)."""
+        zero = np.float32(0.0)
+        one = np.float32(1.0)
+        for j in range(idx.size):
+            i = idx[j]
+            u[i] = u[i] * (one if v[i] == zero else zero)
+            v[i] = zero
+
+    @jit
+    def residual_levels(c, q, cbits, step, chunk, out):
+        """out = c - (+-)(q * step[chunk]): the stochastic quantizers' residual, the sign
+        being c's sign bit (as `_flip_signs` sets it)."""
+        n = c.size
+        for j in range(step.size):  # per chunk, on slices: indices from 0 vectorize
+            f, s = step[j], j * chunk
+            m = min(chunk, n - s)
+            cs, qs, bs, os = c[s:s + m], q[s:s + m], cbits[s:s + m], out[s:s + m]
+            for i in range(m):
+                d = np.float32(qs[i]) * f
+                os[i] = cs[i] - (-d if bs[i] < 0 else d)
+
+    @jit
+    def residual_int8(c, w, scale, mid, chunk, out):
+        """out = c - ((w - 127.5) * scale + mid) per chunk, w holding the codes as floats;
+        True iff every result is finite."""
+        n = c.size
+        bad = np.int32(0)
+        half = np.float32(127.5)
+        for j in range(scale.size):
+            f, o, s = scale[j], mid[j], j * chunk
+            m = min(chunk, n - s)
+            cs, ws, os = c[s:s + m], w[s:s + m], out[s:s + m]
+            bits = os.view(np.int32)
+            for i in range(m):
+                os[i] = cs[i] - ((ws[i] - half) * f + o)
+                bad |= np.int32((bits[i] & exp) == exp)
+        return bad == 0
+
+    @jit
+    def residual_signs(c, cbits, scales, pairs, chunk, out):
+        """out = c - d, d being the chunk's scale with c's sign (sign), or the chunk's
+        negative value where c's sign bit is set, else its non-negative one (onebit,
+        ``pairs``: scales holds (pos, neg) per chunk); True iff every result is finite."""
+        n = c.size
+        bad = np.int32(0)
+        for j in range(scales.size // (2 if pairs else 1)):
+            if pairs:
+                pos, neg = scales[2 * j], scales[2 * j + 1]
+            else:
+                pos = scales[j]
+                neg = -pos
+            s = j * chunk
+            m = min(chunk, n - s)
+            cs, bs, os = c[s:s + m], cbits[s:s + m], out[s:s + m]
+            ob = os.view(np.int32)
+            for i in range(m):
+                os[i] = cs[i] - (neg if bs[i] < 0 else pos)
+                bad |= np.int32((ob[i] & exp) == exp)
+        return bad == 0
+
+    @jit
+    def zero_at_least(bits, key):
+        """Set to +0 every float32 (as int32 bits) whose magnitude key, ``bits & 0x7FFFFFFF``,
+        is at least key (NaN included)."""
+        for i in range(bits.size):
+            if (bits[i] & mag) >= key:
+                bits[i] = 0
+
+    return SimpleNamespace(absbits_max=absbits_max, dgc_inplace=dgc_inplace, mask_own=mask_own,
+                           residual_levels=residual_levels, residual_int8=residual_int8,
+                           residual_signs=residual_signs, ascending_below=ascending_below,
+                           zero_at_least=zero_at_least)

@@ -1,0 +1,118 @@
+"""The compiled CPU loops (numba): when they run, and that they change nothing but speed.
+
+Bit-for-bit parity of whole encodes with the torch path is in test_feedback.py (the oracle
+tests run on both paths through the `cpu_path` fixture); here: the loops on their own and
+DGC's in-place update, including its fallback when the overflow bound does not hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradwire
+from gradwire import Ctx, DGCMomentum, ErrorFeedback
+from gradwire.compress import compiled
+
+from conftest import bits, randn
+
+
+def test_loops_run_only_with_one_torch_thread(monkeypatch):
+    assert compiled.loops() is not None, "numba is a dependency: the compiled loops must import"
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("GRADWIRE_COMPILED", "1")
+        torch.set_num_threads(2)
+        assert not compiled.enabled()
+        torch.set_num_threads(1)
+        assert compiled.enabled()
+        monkeypatch.setenv("GRADWIRE_COMPILED", "0")
+        assert not compiled.enabled()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_absbits_max_sees_nan_inf_and_magnitudes():
+    f = compiled.loops().absbits_max
+    x = torch.tensor([0.5, -3.0, 2.0, -0.0])
+    assert f(x.view(torch.int32).numpy()) == torch.tensor([3.0]).view(torch.int32).item()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1] = bad
+        assert f(y.view(torch.int32).numpy()) >= 0x7F800000
+    assert f(torch.zeros(0, dtype=torch.int32).numpy()) == 0
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dgc_updates_in_place_on_the_compiled_path(cpu_path, nesterov):
+    """Compiled: u and v keep their memory and no spare buffer is made; torch: each step
+    writes into spare buffers."""
+    d = DGCMomentum("topk:ratio=0.1", 0.9, nesterov)
+    ptrs = set()
+    for t in range(5):
+        d.encode(randn(3000, seed=t), "w", Ctx(step=t))
+        ptrs.add((d.u["w"].data_ptr(), d.v["w"].data_ptr()))
+    if cpu_path == "compiled":
+        assert len(ptrs) == 1 and not d._spares._free
+    else:
+        assert len(ptrs) > 1
+
+
+@pytest.mark.parametrize("big", [1e38, 4.2e37, -3e38])
+def test_dgc_in_place_falls_back_where_the_bound_fails(cpu_path, big, small_tiles):
+    """A finite gradient above FLT_MAX / 8 (which may overflow u or v) takes the spare-buffer
+    path, which keeps the old state if the step overflows; afterwards the bounds are
+    recomputed and the in-place path resumes. Every step matches the plain formulas."""
+    from feedback_oracle import OracleDGCMomentum
+
+    c = gradwire.compressor("dgc:ratio=0.05")
+    new, old = DGCMomentum(c, 0.9), OracleDGCMomentum(c, 0.9)
+    for t in range(8):
+        g = randn(1500, seed=t)
+        if t in (2, 3):
+            g[10] = big
+            g[11] = big
+        pn = new.encode(g, "w", Ctx(step=t))
+        po, _ = old.encode_decode(g, "w", Ctx(step=t))
+        assert torch.equal(pn.tensor(), po.tensor()), f"step {t}: packets differ"
+        assert torch.equal(bits(new.u["w"]), bits(old.u["w"])), f"step {t}: u differs"
+        assert torch.equal(bits(new.v["w"]), bits(old.v["w"])), f"step {t}: v differs"
+    assert torch.isfinite(new.v["w"]).all()
+
+
+@pytest.mark.parametrize("spec", ["int8", "qsgd:bits=4", "terngrad", "terngrad:bucket=0", "qsgd:bits=8,bucket=7",
+                                  "sign:chunk=100", "onebit:chunk=24"])
+def test_quantizer_residuals_are_the_same_on_both_paths(spec, monkeypatch, small_tiles):
+    """Odd sizes (partial chunks, partial tiles), several steps, the residual carried over."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = {}
+        for path in ("0", "1"):
+            monkeypatch.setenv("GRADWIRE_COMPILED", path)
+            ef = ErrorFeedback(spec)
+            out = []
+            for t in range(4):
+                p = ef.encode(randn(2053, seed=t) * (10.0 ** t), "w", Ctx(step=t, seed=5))
+                out.append((p.tensor(), bits(ef.residual("w")).clone()))
+            results[path] = out
+        for (pa, ra), (pb, rb) in zip(results["0"], results["1"]):
+            assert torch.equal(pa, pb) and torch.equal(ra, rb)
+        assert (results["1"][-1][1] != 0).any()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("spec", ["int8:chunk=16", "sign:chunk=16", "onebit:chunk=16"])
+def test_non_finite_input_is_a_skipped_step(cpu_path, bad, spec):
+    """int8, sign and onebit judge finiteness from their residual (the compiled loop's flag, the torch path's
+    sums): a non-finite input keeps the old residual, bit for bit."""
+    ef = ErrorFeedback(spec)
+    ef.encode(randn(64, seed=1), "w", Ctx(step=0))
+    before = ef.residual("w").clone()
+    x = randn(64, seed=2)
+    x[40] = bad
+    ef.encode(x, "w", Ctx(step=1))
+    assert torch.equal(bits(ef.residual("w")), bits(before))
+    ef.encode(randn(64, seed=3), "w", Ctx(step=2))
+    assert not torch.equal(bits(ef.residual("w")), bits(before))
