@@ -69,6 +69,21 @@ def test_plain_progress_shows_the_run_and_the_sweep_moving(capsys: pytest.Captur
     assert "dense w=4 link=20mbit: step 25/100" in out and "left; sweep 0/3 done, about" in out
 
 
+def test_sweep_time_left_counts_only_runs_still_to_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """A resumed sweep of 30 runs of which 28 finished earlier: the time left is this run's
+    and one more, not 29 more."""
+    import re
+
+    bar = _Progress(30, enabled=True, every=0.0, to_run=2)
+    bar.start("dense w=4 link=20mbit", 100)
+    bar.run_started -= 60.0  # a minute in, a quarter done: about 3 minutes left of this run
+    bar.step(25)
+    left = re.search(r"sweep 0/30 done, about (\d+)m(\d+)s left", capsys.readouterr().out)
+    assert left is not None
+    minutes = int(left.group(1)) + int(left.group(2)) / 60
+    assert 6.5 < minutes < 7.5  # 3 of this run + 4 for the next one
+
+
 @needs_netns
 def test_two_nodes_report_the_bytes_that_cross_between_them(tmp_path: Path) -> None:
     """Dense ring allreduce sends about half its bytes to the other node; hierarchical top-k sends

@@ -125,9 +125,10 @@ class _Progress:
     lines, and every `every` seconds of a run a line with its steps and the time left (of the run,
     and of the sweep from the runs run so far), so a log shows a long sweep moving."""
 
-    def __init__(self, total: int, enabled: bool, every: float = 30.0) -> None:
+    def __init__(self, total: int, enabled: bool, every: float = 30.0, to_run: int | None = None) -> None:
         self.bar = None
         self.total = total
+        self.to_run = total if to_run is None else to_run  # not finished by an earlier sweep
         self.done = 0
         self.enabled = enabled
         self.every = every
@@ -172,7 +173,8 @@ class _Progress:
         if left is not None:
             line += f", about {_eta(left)} left"
             per_run = (sum(self.ran) + elapsed + left) / (len(self.ran) + 1)
-            line += f"; sweep {self.done}/{self.total} done, about {_eta(left + per_run * (self.total - self.done - 1))} left"
+            runs_left = max(self.to_run - len(self.ran) - 1, 0)
+            line += f"; sweep {self.done}/{self.total} done, about {_eta(left + per_run * runs_left)} left"
         print(line, flush=True)
 
     def finish(self, line: str, ran: bool = False) -> None:
@@ -206,7 +208,8 @@ def run_sweep(configs: list[RunConfig], out: Path, progress: bool = True, timeou
     """Run every config not yet finished under `out/runs/`; return all summaries in config order."""
     out.mkdir(parents=True, exist_ok=True)
     summaries: list[dict[str, Any]] = []
-    bar = _Progress(len(configs), progress)
+    to_run = sum(finished(cfg, out / "runs" / cfg.run_id) is None for cfg in configs)
+    bar = _Progress(len(configs), progress, to_run=to_run)
     try:
         for cfg in configs:
             run_dir = out / "runs" / cfg.run_id
