@@ -29,6 +29,7 @@ from enum import IntEnum
 import torch
 
 from ..errors import WireFormatError
+from . import alloc
 
 MAGIC = b"GWIR"
 VERSION = 1
@@ -173,7 +174,7 @@ def allocate(codec: int, dtype: torch.dtype, shape: tuple[int, ...], layout: lis
     pk = Packet(codec, dtype, shape, sections, config)
     head = header_size(len(shape), len(layout))
     sizes = [count * torch.empty((), dtype=dt).element_size() for _, dt, count in layout]
-    buf = torch.empty(head + sum(align(n) for n in sizes), dtype=torch.uint8, device=device)
+    buf = _new_buffer(head + sum(align(n) for n in sizes), torch.device(device))
     pos = head
     for sec, (_, dt, count), n in zip(sections, layout, sizes):
         sec.data = buf[pos: pos + n].view(dt)
@@ -199,9 +200,15 @@ def copy_host_bytes(dst: torch.Tensor, data: bytes) -> None:
         dst.copy_(src)
 
 
+def _new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A packet's buffer: on the CPU a large one is on huge pages (`alloc`: a fresh packet
+    of tens of MB would otherwise page-fault more than its encode costs)."""
+    return alloc.empty(nbytes, torch.uint8) if device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8,
+                                                                                       device=device)
+
+
 def _serialize(p: Packet) -> torch.Tensor:
-    device = p.device
-    out = torch.empty(p.nbytes, dtype=torch.uint8, device=device)
+    out = _new_buffer(p.nbytes, p.device)
     head = p.header_bytes()
     copy_host_bytes(out[: len(head)], head)
     pos = len(head)
