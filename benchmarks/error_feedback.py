@@ -1,6 +1,6 @@
 """What error feedback and DGC momentum add over the bare compressor, in in-place adds.
 
-    python benchmarks/error_feedback.py [--numel 25000000] [--reps 5] [--only topk,int8] [--clock thread]
+    python benchmarks/error_feedback.py [--numel 25000000] [--reps 5] [--only topk,int8] [--clock thread] [--each]
 
 One 1-D fp32 tensor, 1 torch thread. For each compressor, in one run and interleaved so
 machine noise hits all alike: the median time of `e.add_(x)` on the same tensor (the unit),
@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--only", help="comma-separated specs (default: all)")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall",
                    help="wall clock, or this thread's CPU time (robust to other jobs' load)")
+    p.add_argument("--each", action="store_true", help="also print every repetition's times")
     args = p.parse_args()
     global _CLOCK
     _CLOCK = time.perf_counter if args.clock == "wall" else time.thread_time
@@ -87,6 +88,10 @@ def main() -> None:
         paired = statistics.median((wr - br) / ar for wr, br, ar in zip(wrapped, bare, adds))
         label = spec if kind == "ef" else f"DGCMomentum({spec})"
         print(f"{label:26s} {a:7.1f} {b:8.1f} {w:8.1f} {(w - b) / a:9.2f} {lo:6.2f} {paired:8.2f}", flush=True)
+        if args.each:
+            for r, (ar, br, wr) in enumerate(zip(adds, bare, wrapped)):
+                print(f"    repetition {r}: add {ar * 1e3:.1f} ms, bare {br * 1e3:.1f} ms, with {wr * 1e3:.1f} ms, "
+                      f"extra/add {(wr - br) / ar:.2f}")
         del wrapper
 
 
