@@ -116,3 +116,24 @@ def test_non_finite_input_is_a_skipped_step(cpu_path, bad, spec):
     assert torch.equal(bits(ef.residual("w")), bits(before))
     ef.encode(randn(64, seed=3), "w", Ctx(step=2))
     assert not torch.equal(bits(ef.residual("w")), bits(before))
+
+
+def test_dgc_deferred_masking_with_several_keys(cpu_path, small_tiles):
+    """Several buckets take turns (each one's masking waits for its own next step while the
+    others encode), and the state read in between is already masked."""
+    from feedback_oracle import OracleDGCMomentum
+
+    c = gradwire.compressor("topk:ratio=0.05")
+    new, old = DGCMomentum(c, 0.9), OracleDGCMomentum(c, 0.9)
+    for t in range(6):
+        for key, n in (("a", 4000), ("b", 1500), ("c", 4000)):
+            g = randn(n, seed=100 * t + n + len(key))
+            pn = new.encode(g, key, Ctx(step=t, key=key))
+            po, _ = old.encode_decode(g, key, Ctx(step=t, key=key))
+            assert torch.equal(pn.tensor(), po.tensor())
+        if t % 2:  # reading the state applies what is deferred
+            for key in "abc":
+                assert torch.equal(bits(new.u[key]), bits(old.u[key])) and torch.equal(bits(new.v[key]), bits(old.v[key]))
+    state = new.state_dict()
+    for key in "abc":
+        assert torch.equal(bits(state["v"][key]), bits(old.v[key]))

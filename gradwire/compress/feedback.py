@@ -242,7 +242,7 @@ class DGCMomentum:
         packet, pieces = self.compressor.encode_sent(v, ctx)
         sent = [n(where) for where, _ in pieces]
         if len(sent) == 1 and fast.ascending_below(sent[0], uf.numel()):
-            self._pending[name] = sent[0]
+            self._pending[name] = sent[0].copy()  # (its own memory: nothing the compressor reuses)
         else:
             for where in sent:
                 fast.mask_own(n(uf), n(vf), where)
