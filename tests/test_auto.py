@@ -101,7 +101,7 @@ def _trial(rank: int, world: int) -> dict:
     auto = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9, trials=1)
     order = auto.candidates([1 << 12], torch.float32)
     choices, outs = [], []
-    for step in range(len(order) + 2):
+    for step in range(2 * len(order) + 2):  # an untimed round, then one timed turn each
         x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(10 * step + rank))
         outs.append(auto.exchange(x, 0, Ctx(rank=rank, step=step), average=True).wait())
         choices.append(auto.choice)
@@ -109,10 +109,10 @@ def _trial(rank: int, world: int) -> dict:
 
 
 def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
-    """The model shortlists (dense always), each candidate runs one real step, the ranks average
-    their times and choose alike; every step's result is the same on both ranks."""
+    """The model shortlists (dense always), the candidates take turns (an untimed round, then
+    one timed step each), the ranks average their times and choose alike; every step's result is the same on both ranks."""
     a, b = run_ranks(_trial, 2)
-    n = len(a["order"])
+    n = 2 * len(a["order"])
     assert "dense" in a["order"] and len(a["order"]) >= 2
     assert a["choices"][:n] == [None] * n and a["choices"][n] is not None  # chosen at the step after the trial
     assert a["choices"] == b["choices"] and a["measured"] == b["measured"]

@@ -155,7 +155,8 @@ class Auto(Strategy):
     not depend on how tensors are grouped into buckets. The model only shortlists: with
     `trials=N` (default 2) each shortlisted candidate, dense and bf16 always among them, runs N
     real steps, timed with its encode and decode, and the ranks choose by the mean of their
-    times (the model misses what compression costs besides the wire, e.g. per-tensor overheads
+    times. The candidates take turns, one step each, after one untimed round (a first step
+    pays for connections, allocations and compiling, and drift over the trial hits all alike) (the model misses what compression costs besides the wire, e.g. per-tensor overheads
     and ranks sharing cores: at 1 Gbit/s on 4 ranks of 2 cores it modelled top-k allgather at
     1.9 ms against dense's 10.3 ms; measured, the step was 28 ms against 16). Error feedback of
     the candidates not chosen is dropped with them (N steps of residual). `trials=0`: the
@@ -259,26 +260,27 @@ class Auto(Strategy):
     def _timed_exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool,
                         shapes: list[torch.Size] | None, keys: list[str] | None,
                         sizes: list[int]) -> Work[torch.Tensor] | None:
-        """During the trial, exchange with this step's candidate and time it (synchronously);
-        at the first step after it, agree on the times (mean over ranks, one allreduce that
+        """During the trial, exchange with this step's candidate (in turns) and time it
+        (synchronously); at the first step after it, agree on the times (mean over ranks, one allreduce that
         every rank reaches at the same bucket) and choose by `prefer`. None once chosen."""
         if self._trial is None:
             self._trial = (ctx.step, self.candidates(sizes, x.dtype))
         first, order = self._trial
-        i = (ctx.step - first) // self.trials
-        if i < len(order):
-            name = order[i]
+        turn = ctx.step - first
+        if turn < (self.trials + 1) * len(order):  # round 0 untimed, then `trials` timed rounds
+            name = order[turn % len(order)]
             sub = self.subs[name]
             sub.into_input = self.into_input
             began = time.perf_counter()
             out = sub.exchange(x, key, ctx, average, shapes, keys).wait()
-            self._spent[name] = self._spent.get(name, 0.0) + time.perf_counter() - began
+            if turn >= len(order):
+                self._spent[name] = self._spent.get(name, 0.0) + time.perf_counter() - began
             return Work.done(out)
         spent = torch.tensor([self._spent.get(n, 0.0) / self.trials for n in order], dtype=torch.float64)
         self.backend.allreduce(spent).wait()
         self.measured = dict(zip(order, (spent / self.backend.world_size).tolist()))
         self.choice = prefer(self.measured, margin=TRIAL_MARGIN)
-        log.info("gradwire auto: %s after a timed trial of %d steps each: %s", self.choice, self.trials,
+        log.info("gradwire auto: %s after a timed trial of %d turns each: %s", self.choice, self.trials,
                  ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()))
         return None
 
