@@ -103,9 +103,9 @@ def test_quantizer_residuals_are_the_same_on_both_paths(spec, monkeypatch, small
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-@pytest.mark.parametrize("spec", ["int8:chunk=16", "sign:chunk=16", "onebit:chunk=16"])
+@pytest.mark.parametrize("spec", ["int8:chunk=16", "sign:chunk=16", "onebit:chunk=16", "none"])
 def test_non_finite_input_is_a_skipped_step(cpu_path, bad, spec):
-    """int8, sign and onebit judge finiteness from their residual (the compiled loop's flag, the torch path's
+    """int8, sign, onebit and none (lossless) judge finiteness from what they computed (the compiled loop's flag, the torch path's
     sums): a non-finite input keeps the old residual, bit for bit."""
     ef = ErrorFeedback(spec)
     ef.encode(randn(64, seed=1), "w", Ctx(step=0))

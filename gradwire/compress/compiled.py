@@ -170,6 +170,26 @@ def _define() -> SimpleNamespace:
             if (bits[i] & mag) >= key:
                 bits[i] = 0
 
+    @jit
+    def sum_into(x, e, data, out):
+        """data = x + e (e None: a copy of x) and out = +0, in one pass; True iff every sum is
+        finite (a lossless cast under error feedback: the new residual is 0)."""
+        bits = data.view(np.int32)
+        bad = np.int32(0)
+        zero = np.float32(0.0)
+        if e is None:
+            for i in range(x.size):
+                data[i] = x[i]
+                out[i] = zero
+                bad |= np.int32((bits[i] & exp) == exp)
+        else:
+            for i in range(x.size):
+                data[i] = x[i] + e[i]
+                out[i] = zero
+                bad |= np.int32((bits[i] & exp) == exp)
+        return bad == 0
+
     return SimpleNamespace(absbits_max=absbits_max, dgc_inplace=dgc_inplace, mask_own=mask_own,
                            residual_levels=residual_levels, residual_int8=residual_int8,
-                           residual_signs=residual_signs, zero_at_least=zero_at_least)
+                           residual_signs=residual_signs, zero_at_least=zero_at_least,
+                           sum_into=sum_into)
