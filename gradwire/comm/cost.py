@@ -153,14 +153,15 @@ class Auto(Strategy):
     once, from the sizes of all the tensors exchanged (`plan_sizes`, set by the DDP hook from the
     model's parameters) or else from the first bucket, so it is the same on every rank and does
     not depend on how tensors are grouped into buckets. The model only shortlists: with
-    `trials=N` (default 2) each shortlisted candidate, dense and bf16 always among them, runs N
-    real steps, timed with its encode and decode, and the ranks choose by the mean of their
-    times. The candidates take turns, one step each, after one untimed round (a first step
-    pays for connections, allocations and compiling, and drift over the trial hits all alike) (the model misses what compression costs besides the wire, e.g. per-tensor overheads
-    and ranks sharing cores: at 1 Gbit/s on 4 ranks of 2 cores it modelled top-k allgather at
-    1.9 ms against dense's 10.3 ms; measured, the step was 28 ms against 16). Error feedback of
-    the candidates not chosen is dropped with them (N steps of residual). `trials=0`: the
-    model alone."""
+    `trials=N` (default 2) each shortlisted candidate, dense and bf16 always among them, runs
+    one untimed step and N timed ones, with its encode and decode, and the ranks choose by the
+    mean of their times, within `TRIAL_MARGIN`. The candidates take turns, one step each: a
+    first step pays for connections, allocations and compiling, and drift over the trial then
+    hits all alike. Why measure: the model misses what compression costs besides the wire
+    (per-tensor overheads, ranks sharing cores: at 1 Gbit/s on 4 ranks of 2 cores it modelled
+    top-k allgather at 1.9 ms against dense's 10.3 ms; measured, the step was 28 ms against
+    16). Error feedback of the candidates not chosen is dropped with them (N + 1 steps of
+    residual). `trials=0`: the model alone."""
 
     name = "auto"
 
@@ -261,8 +262,9 @@ class Auto(Strategy):
                         shapes: list[torch.Size] | None, keys: list[str] | None,
                         sizes: list[int]) -> Work[torch.Tensor] | None:
         """During the trial, exchange with this step's candidate (in turns) and time it
-        (synchronously); at the first step after it, agree on the times (mean over ranks, one allreduce that
-        every rank reaches at the same bucket) and choose by `prefer`. None once chosen."""
+        (synchronously); at the first step after it, agree on the times (mean over ranks, one
+        allreduce that every rank reaches at the same bucket) and choose by `prefer`. None
+        once chosen."""
         if self._trial is None:
             self._trial = (ctx.step, self.candidates(sizes, x.dtype))
         first, order = self._trial

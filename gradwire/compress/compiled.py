@@ -7,12 +7,12 @@ order as the torch code they stand in for. LLVM contracts ``a * b + c`` into a f
 multiply-add only under fast-math flags, and numba sets none, so the results are the torch
 path's bit for bit (tests/test_compiled.py compares both paths).
 
-`loops()` returns the compiled functions, or None. None means the torch path is used,
-which happens when numba cannot be imported, when ``GRADWIRE_COMPILED=0`` is set, or when
-torch runs more than one intra-op thread. In that last case torch's own ops run in
-parallel, and these loops run on one thread only. torchrun defaults to one thread per
-rank when it starts several. Each loop compiles on its first call, and the compiled code
-is cached on disk (numba's ``cache=True``).
+`loops()` returns the compiled functions, or None when numba cannot be imported.
+`enabled()` says whether callers should use them now: not with ``GRADWIRE_COMPILED=0``,
+and not when torch runs more than one intra-op thread, since torch's own ops then run in
+parallel and these loops on one thread only (torchrun defaults to one thread per rank
+when it starts several). Either way the torch path runs instead. Each loop compiles on
+its first call, and the compiled code is cached on disk (numba's ``cache=True``).
 """
 
 from __future__ import annotations
