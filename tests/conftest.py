@@ -28,9 +28,11 @@ def cpu_path(request, monkeypatch):
     monkeypatch.setenv("GRADWIRE_COMPILED", "1" if request.param == "compiled" else "0")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    assert compiled.enabled() == (request.param == "compiled")
-    yield request.param
-    torch.set_num_threads(threads)
+    try:
+        assert compiled.enabled() == (request.param == "compiled")
+        yield request.param
+    finally:
+        torch.set_num_threads(threads)
 
 
 def randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:

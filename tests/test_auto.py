@@ -110,7 +110,8 @@ def _trial(rank: int, world: int) -> dict:
 
 def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
     """The model shortlists (dense always), the candidates take turns (an untimed round, then
-    one timed step each), the ranks average their times and choose alike; every step's result is the same on both ranks."""
+    one timed step each), the ranks average their times and choose alike; every step's result
+    is the same on both ranks."""
     a, b = run_ranks(_trial, 2)
     n = 2 * len(a["order"])
     assert "dense" in a["order"] and len(a["order"]) >= 2
