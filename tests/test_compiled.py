@@ -141,3 +141,69 @@ def test_dgc_with_several_keys_taking_turns(cpu_path, small_tiles):
     for key in "abc":
         assert torch.equal(bits(state["v"][key]), bits(old.v[key]))
 
+
+
+def _scan_oracle(x: torch.Tensor, key: int) -> torch.Tensor:
+    """The definition: ascending indices whose magnitude bits are >= key (NaN's are above Inf's)."""
+    return torch.nonzero((x.view(torch.int32) & 0x7FFFFFFF) >= key).view(-1)
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 100_003])
+@pytest.mark.parametrize("threshold", [1e-3, 1.0, 2.6, 4.5, 1e30])
+def test_compiled_scan_finds_what_the_numpy_scan_finds(cpu_path, n, threshold):
+    """Candidates on both paths at densities from ~all to none (the compiled scan turns
+    branch-free past 1/16), with NaN, +-Inf and -0.0 among them."""
+    from gradwire.compress import sparse
+
+    x = randn(n, seed=n)
+    for i, special in zip(range(0, n, 997), (float("nan"), float("inf"), float("-inf"), -0.0, -float("nan"))):
+        x[i] = special
+    key = sparse._ceil_key(threshold, torch.float32)
+    got = sparse._candidates(x, key)
+    assert got.dtype == torch.int64 and torch.equal(got, _scan_oracle(x, key))
+
+
+def test_compiled_scan_with_more_candidates_than_its_buffer(small_tiles):
+    """Over a quarter passing overflows the scratch buffer: counted, then found again into a
+    buffer of their size."""
+    from gradwire.compress import sparse
+
+    fast = compiled.loops()
+    x = randn(5000, seed=3)
+    key = sparse._ceil_key(0.5, torch.float32)
+    out = sparse.candidate_buffer(0)[:100]
+    count = fast.at_least(x.view(torch.int32).numpy(), key, out)
+    want = _scan_oracle(x, key)
+    assert count == want.numel() > 100
+    assert torch.equal(sparse.found_indices(out, count, x, key), want)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "dgc:ratio=0.02", "topk:ratio=0.05"])
+@pytest.mark.parametrize("sampled_large", [False, True])
+def test_dgc_pass_finds_the_candidates(cpu_path, nesterov, spec, sampled_large, monkeypatch):
+    """Above the small-tensor size topk and dgc take their candidates from DGC momentum's
+    compiled pass, not from a scan: packets, u and v equal the plain formulas' bit for bit.
+    `sampled_large`: the sampled rows hold the largest values, so the first threshold
+    finds too few candidates and the selection lowers it (scans of its own after the pass)."""
+    from feedback_oracle import OracleDGCMomentum
+    from gradwire.compress import sparse
+
+    fast = compiled.loops()
+    calls = []
+    real = fast.dgc_inplace_at_least
+    monkeypatch.setattr(fast, "dgc_inplace_at_least", lambda *a: calls.append(1) or real(*a))
+    c = gradwire.compressor(spec)
+    new, old = DGCMomentum(c, 0.9, nesterov), OracleDGCMomentum(c, 0.9, nesterov)
+    n = 70_001
+    for t in range(5):
+        g = randn(n, seed=t)
+        if sampled_large:
+            g.mul_(0.01)
+            sparse.sample_view(g, c._stride(n)).fill_(100.0 + t)
+        pn = new.encode(g, "w", Ctx(step=t))
+        po, _ = old.encode_decode(g, "w", Ctx(step=t))
+        assert torch.equal(pn.tensor(), po.tensor()), f"step {t}: packets differ"
+        assert torch.equal(bits(new.u["w"]), bits(old.u["w"])), f"step {t}: u differs"
+        assert torch.equal(bits(new.v["w"]), bits(old.v["w"])), f"step {t}: v differs"
+    assert len(calls) == (5 if cpu_path == "compiled" else 0)

@@ -150,7 +150,8 @@ def _exact_cases():
 
 
 @pytest.mark.parametrize("name,x", list(_exact_cases()), ids=[n for n, _ in _exact_cases()])
-def test_topk_and_dgc_match_sort_reference(name: str, x: torch.Tensor) -> None:
+def test_topk_and_dgc_match_sort_reference(name: str, x: torch.Tensor, cpu_path) -> None:
+    """On both CPU paths: the candidate scan in NumPy, and compiled (one torch thread)."""
     n = x.numel()
     order = ref_order(x)
     for k in (1, 37, 2_000, 60_000, n - 1):
@@ -174,7 +175,7 @@ def test_device_path_matches_host_path(monkeypatch) -> None:
     assert torch.equal(sparse.topk(small, 10)[0], ref_topk(small, 10))
 
 
-def test_topk_small_and_retry_paths() -> None:
+def test_topk_small_and_retry_paths(cpu_path) -> None:
     g = torch.Generator().manual_seed(12)
     for n in (2, 3, 100, 1000, 32_768, 32_769, 99_999):
         x = torch.randn(n, generator=g)
@@ -196,7 +197,7 @@ def test_topk_encode_does_not_run_torch_topk(monkeypatch) -> None:
         assert idx.numel() == 3000
 
 
-def test_nonfinite_survive_topk_dgc_threshold() -> None:
+def test_nonfinite_survive_topk_dgc_threshold(cpu_path) -> None:
     x = _x(50_000)
     x[[3, 400, 40_000, 49_999]] = torch.tensor([math.nan, math.inf, -math.inf, -math.nan])
     for spec in ("topk:ratio=0.001", "topk:k=4", "dgc:ratio=0.001", "threshold:threshold=100.0"):
@@ -208,7 +209,7 @@ def test_nonfinite_survive_topk_dgc_threshold() -> None:
             assert y[400] == math.inf and y[40_000] == -math.inf, spec
 
 
-def test_threshold_boundary_is_exact() -> None:
+def test_threshold_boundary_is_exact(cpu_path) -> None:
     # |x| >= t in real numbers, whatever the dtype's rounding of t: float32(0.7) < 0.7 and
     # bfloat16(0.7) < 0.7 are dropped, float16(0.7) > 0.7 is kept.
     for t in (0.7, 0.3, 1.0, 1e-30, 70000.0):

@@ -100,6 +100,83 @@ def _define() -> SimpleNamespace:
         return ub, vb
 
     @jit
+    def at_least(bits, key, out):
+        """Ascending indices of the float32s (as int32 bits) whose magnitude key, ``bits &
+        0x7FFFFFFF``, is at least key (NaN included), written to out; returns their count,
+        which exceeds out.size when out is too small (only out.size are written then).
+        Blocks of 128: a vectorized max, then a scalar look only into blocks that hold one,
+        without branches once over 1/16 have passed (they would mispredict). 25M elements on
+        the test VM: 4 ms at 0.1%, 8 at 1%, 19 at 20%, 75 at 50% (NumPy's masks: 13, 18, 60, 158)."""
+        c, cap, width = 0, out.size, 128
+        blocks = bits.size // width
+        for b in range(blocks):
+            s = b * width
+            top = np.int32(0)
+            for i in range(s, s + width):
+                top = max(top, bits[i] & mag)
+            if top >= key and c * 16 > s and c + width <= cap:  # dense so far: branch-free
+                for i in range(s, s + width):
+                    out[c] = i
+                    c += np.int64((bits[i] & mag) >= key)
+            elif top >= key:
+                for i in range(s, s + width):
+                    if (bits[i] & mag) >= key:
+                        if c < cap:
+                            out[c] = i
+                        c += 1
+        for i in range(blocks * width, bits.size):
+            if (bits[i] & mag) >= key:
+                if c < cap:
+                    out[c] = i
+                c += 1
+        return c
+
+    @jit
+    def dgc_inplace_at_least(g, u, v, m, nesterov, key, out):
+        """`dgc_inplace` that also writes, as `at_least` does, the indices of the new v whose
+        magnitude key is at least key: a sparsifier's first candidates, found while v is
+        in registers instead of in a pass of their own. Returns (ub, vb, count). Blocks of
+        32 with a fixed trip count (0.6 adds over `dgc_inplace`; 64: 0.7, 16: 1.0, and a
+        variable trip count stops LLVM vectorizing: 6)."""
+        ui, vi = u.view(np.int32), v.view(np.int32)
+        ub = np.int32(0)
+        vb = np.int32(0)
+        c, cap, width = 0, out.size, 32
+        blocks = g.size // width
+        for b in range(blocks):
+            s = b * width
+            top = np.int32(0)
+            if nesterov:
+                for i in range(s, s + width):
+                    t = u[i] * m + g[i]
+                    u[i] = t
+                    v[i] = (t * m + g[i]) + v[i]
+                    ub = max(ub, ui[i] & mag)
+                    top = max(top, vi[i] & mag)
+            else:
+                for i in range(s, s + width):
+                    t = u[i] * m + g[i]
+                    u[i] = t
+                    v[i] = v[i] + t
+                    ub = max(ub, ui[i] & mag)
+                    top = max(top, vi[i] & mag)
+            vb = max(vb, top)
+            if top >= key:
+                for i in range(s, s + width):
+                    if (vi[i] & mag) >= key:
+                        if c < cap:
+                            out[c] = i
+                        c += 1
+        s = blocks * width
+        tb, tv = dgc_inplace(g[s:], u[s:], v[s:], m, nesterov)
+        for i in range(s, g.size):
+            if (vi[i] & mag) >= key:
+                if c < cap:
+                    out[c] = i
+                c += 1
+        return max(ub, tb), max(vb, tv), c
+
+    @jit
     def mask_own(u, v, idx):
         """Momentum-factor masking where the sent values are v's own: at each sent index,
         u *= (v == 0) and v = +0 (torch: ``u * (sent == 0)``, then ``index_fill_``)."""
@@ -190,6 +267,7 @@ def _define() -> SimpleNamespace:
         return bad == 0
 
     return SimpleNamespace(absbits_max=absbits_max, dgc_inplace=dgc_inplace, mask_own=mask_own,
+                           at_least=at_least, dgc_inplace_at_least=dgc_inplace_at_least,
                            residual_levels=residual_levels, residual_int8=residual_int8,
                            residual_signs=residual_signs, zero_at_least=zero_at_least,
                            sum_into=sum_into)

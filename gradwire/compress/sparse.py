@@ -94,6 +94,7 @@ class _Scratch(threading.local):
     """
 
     buf: torch.Tensor | None = None
+    found: np.ndarray | None = None
 
     def masks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.buf is None or self.buf.numel() < 2 * n:
@@ -101,13 +102,23 @@ class _Scratch(threading.local):
             self.buf = torch.empty(2 * n, dtype=torch.bool)
         return self.buf[:n], self.buf[n: 2 * n]
 
+    def indices(self, n: int, k: int = 0) -> np.ndarray:
+        """Room for the candidates of an n-element scan by the compiled loops for k: n/4
+        int64s (2 bytes an element, as the masks), or 2k."""
+        cap = max(1024, n // 4, 2 * k)
+        if self.found is None or self.found.shape[0] < cap:
+            self.found = None
+            self.found = np.empty(cap, dtype=np.int64)
+        return self.found[:cap]
+
 
 _scratch = _Scratch()
 
 
 def release_scratch() -> None:
-    """Free this thread's cached candidate masks."""
+    """Free this thread's cached candidate masks and index buffer."""
     _scratch.buf = None
+    _scratch.found = None
 
 
 def _masks(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,6 +142,9 @@ def _candidates(flat: torch.Tensor, key: int) -> torch.Tensor:
     dev = flat.device
     if key <= 0:
         return torch.arange(n, device=dev)
+    if _on_host(flat) and flat.dtype == torch.float32 and compiled.enabled():
+        out = candidate_buffer(n)
+        return found_indices(out, compiled.loops().at_least(_ints(flat).numpy(), key, out), flat, key)
     nw = -(-n // 8)
     hit, other = _masks(nw * 8, dev)
     if _on_host(flat):
@@ -163,6 +177,22 @@ def _candidates(flat: torch.Tensor, key: int) -> torch.Tensor:
         sub = torch.index_select(words, 0, w)
     j = torch.nonzero(sub.view(torch.bool)).view(-1)
     return torch.index_select(w, 0, j >> 3).mul_(8).add_(j & 7)
+
+
+def candidate_buffer(n: int, k: int = 0) -> np.ndarray:
+    """This thread's buffer for the candidate indices a compiled scan of n elements writes
+    (`found_indices` takes them out), with room for twice k."""
+    return _scratch.indices(n, k)
+
+
+def found_indices(out: np.ndarray, count: int, flat: torch.Tensor, key: int) -> torch.Tensor:
+    """The candidates a compiled scan wrote to `out` (`count` of them), as a new tensor; when
+    they did not fit (over a quarter of flat passed), a scan into a buffer of their size."""
+    if count > out.shape[0]:
+        out = np.empty(count, dtype=np.int64)
+        compiled.loops().at_least(_ints(flat).numpy(), key, out)
+        return torch.from_numpy(out)
+    return torch.from_numpy(out[:count].copy())
 
 
 def _scan_part(ints: np.ndarray, h: np.ndarray, o: np.ndarray, key: int, dtype: torch.dtype,
@@ -252,16 +282,25 @@ def _pick(flat: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     return torch.masked_select(idx, keep), torch.masked_select(vals, keep)
 
 
-def _sample_keys(flat: torch.Tensor, stride: int):
-    """Keys of every stride-th run of 16 elements (one 64-byte line of fp32), so a 1%
-    sample reads 1% of the memory instead of one line per sampled element."""
-    ints = _ints(flat).numpy() if _on_host(flat) else _ints(flat)
-    rows = flat.numel() // 16
+def sample_view(a, stride: int):
+    """The sampled elements of a 1-D array or tensor, as a view: every stride-th run of 16
+    elements (one 64-byte line of fp32), so a 1% sample reads 1% of the memory instead of
+    one line per sampled element; every stride-th element when that gives too few rows."""
+    rows = a.shape[0] // 16
     if rows >= 64 * stride:
-        ints = ints[: rows * 16].reshape(rows, 16)[::stride].reshape(-1)
-    else:
-        ints = ints[::stride]
-    return _keys_of(ints, flat.dtype)
+        return a[: rows * 16].reshape(rows, 16)[::stride]
+    return a[::stride]
+
+
+def _sample_keys(flat: torch.Tensor, stride: int):
+    """Magnitude keys of flat's sample (`sample_view`), 1-D."""
+    ints = _ints(flat).numpy() if _on_host(flat) else _ints(flat)
+    return sample_keys_of(sample_view(ints, stride), flat.dtype)
+
+
+def sample_keys_of(ints, dtype: torch.dtype):
+    """Magnitude keys of a sample's integer views (`sample_view` of `_ints`), 1-D."""
+    return _keys_of(ints.reshape(-1), dtype)
 
 
 def _cuda_ops(t: torch.Tensor):
@@ -298,19 +337,29 @@ def topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     done = _trivial(flat, k)
     if done is not None:
         return done
-    n = flat.numel()
     skeys = _sample_keys(flat, _TOPK_STRIDE)
-    m = skeys.shape[0]
+    key = _kth_largest(skeys, _topk_rank(skeys.shape[0], flat.numel(), k))
+    return _topk_from(flat, k, skeys, _candidates(flat, key))
+
+
+def _topk_rank(m: int, n: int, k: int) -> int:
+    """The rank in an m-element sample whose key is topk's first threshold. Margin:
+    P(fewer than k candidates) ~ 3e-5 for iid data; a miss only costs a retry."""
     expect = k * m / n
-    # Margin: P(fewer than k candidates) ~ 3e-5 for iid data; a miss only costs a retry.
-    r = math.ceil(expect + 4.0 * math.sqrt(expect) + 4.0)
+    return math.ceil(expect + 4.0 * math.sqrt(expect) + 4.0)
+
+
+def _topk_from(flat: torch.Tensor, k: int, skeys, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk after its first scan: idx are the candidates of the first threshold."""
+    m = skeys.shape[0]
+    r = _topk_rank(m, flat.numel(), k)
     while True:
-        idx = _candidates(flat, _kth_largest(skeys, r))
         if idx.numel() >= k:
             return _pick(flat, idx, k)
         if r >= m:  # even the smallest sampled magnitude was too high
             return _pick(flat, _everything(flat), k)
         r *= 4
+        idx = _candidates(flat, _kth_largest(skeys, r))
 
 
 def _dgc(flat: torch.Tensor, k: int, sample_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,15 +370,27 @@ def _dgc(flat: torch.Tensor, k: int, sample_ratio: float) -> tuple[torch.Tensor,
     done = _trivial(flat, k)
     if done is not None:
         return done
-    n = flat.numel()
-    m_want = max(_DGC_MIN_SAMPLE, math.ceil(sample_ratio * n))
-    skeys = _sample_keys(flat, max(1, n // m_want))
-    m = skeys.shape[0]
-    expect = k * m / n
-    key = _kth_largest(skeys, math.ceil(expect + 2.0 * math.sqrt(expect)))
+    skeys = _sample_keys(flat, _dgc_stride(flat.numel(), sample_ratio))
+    key = _dgc_first_key(skeys, flat.numel(), k)
+    return _dgc_from(flat, k, key, _candidates(flat, key))
+
+
+def _dgc_stride(n: int, sample_ratio: float) -> int:
+    return max(1, n // max(_DGC_MIN_SAMPLE, math.ceil(sample_ratio * n)))
+
+
+def _dgc_first_key(skeys, n: int, k: int) -> int:
+    """DGC's threshold: the top-(k/n) key of the sample, with a margin of two sigmas."""
+    expect = k * skeys.shape[0] / n
+    return _kth_largest(skeys, math.ceil(expect + 2.0 * math.sqrt(expect)))
+
+
+def _dgc_from(flat: torch.Tensor, k: int, key: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dgc after its first scan: idx are the candidates of the first threshold `key`."""
     dtype = flat.dtype
-    for _ in range(11):
-        idx = _candidates(flat, key)
+    for attempt in range(11):
+        if attempt:
+            idx = _candidates(flat, key)
         if idx.numel() >= k:  # enough (DGC's > 1.3k case included): the exact top k of them
             return _pick(flat, idx, k)
         if key <= 0:
@@ -351,7 +412,7 @@ def _dgc_cuda(ops, flat: torch.Tensor, k: int, sample_ratio: float) -> tuple[tor
     n = flat.numel()
     if n <= _SMALL:
         return ops.topk(flat, k)
-    stride = max(1, n // max(_DGC_MIN_SAMPLE, math.ceil(sample_ratio * n)))
+    stride = _dgc_stride(n, sample_ratio)
     rows = n // 16
     by_rows = rows >= 64 * stride
     m = -(-rows // stride) * 16 if by_rows else -(-n // stride)
@@ -493,7 +554,10 @@ class _Sparse(Compressor):
         if not flat.is_contiguous():
             flat = flat.contiguous()
         sections, idx = self._selected(flat, ctx if ctx is not None else Ctx())
-        return Packet(self.codec_id, x.dtype, tuple(x.shape), sections, self.crc).freeze(), idx
+        return self._packet(x, sections), idx
+
+    def _packet(self, x: torch.Tensor, sections: list[Section]) -> Packet:
+        return Packet(self.codec_id, x.dtype, tuple(x.shape), sections, self.crc).freeze()
 
     def pieces(self, pk: Packet, idx: torch.Tensor, values: torch.Tensor) -> Iterator[Piece]:
         """What a packet with these indices and (decoded) VALUES decodes to, as pieces."""
@@ -603,12 +667,50 @@ class _Sparse(Compressor):
 
 
 class _FixedK(_Sparse):
+    """A sparsifier of k elements that samples its input for a first threshold, then scans
+    it for the candidates at or above it. A caller that writes the input itself (DGC
+    momentum's pass) can find those candidates while writing, with no scan of its own:
+    `scan_plan`, the sample's keys (`sample_view`, `sample_keys_of`) from the values about
+    to be written, `first_key`, the candidates written down in the same pass (as
+    `compiled` ``at_least`` does), then `encode_found`. The result is `encode_selected`'s."""
+
     def _selected(self, flat: torch.Tensor, ctx: Ctx) -> tuple[list[Section], torch.Tensor]:
         idx, values = self._select(flat, self.value_count(flat.numel()), ctx)
         return self._sections(flat.numel(), idx, values), idx
 
     def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """(ascending int64 indices, their values as a new tensor)."""
+        raise NotImplementedError
+
+    def scan_plan(self, x: torch.Tensor) -> int | None:
+        """The sample stride when encoding x samples and then scans it in compiled code
+        (topk, dgc; float32 on the CPU, `compiled.enabled()`, k < numel, not small), else None."""
+        n = x.numel()
+        k = self.value_count(n)
+        if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < k < n or n <= _SMALL \
+                or not compiled.enabled():
+            return None
+        return self._stride(n)
+
+    def _stride(self, n: int) -> int | None:
+        """The sample stride of a selection that samples and scans (randomk does not)."""
+        return None
+
+    def first_key(self, skeys, n: int) -> int:
+        """The first threshold key, from the keys of the sample of an n-element input."""
+        raise NotImplementedError
+
+    def encode_found(self, x: torch.Tensor, ctx: Ctx | None, skeys, key: int,
+                     idx: torch.Tensor) -> tuple[Packet, torch.Tensor]:
+        """`encode_selected(x, ctx)`, given x's sample keys, the first key and its candidates."""
+        check_input(self.name, x)
+        flat = x.detach().reshape(-1)
+        n = flat.numel()
+        idx, values = self._select_from(flat, self.value_count(n), skeys, key, idx)
+        return self._packet(x, self._sections(n, idx, values)), idx
+
+    def _select_from(self, flat: torch.Tensor, k: int, skeys, key: int,
+                     idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
@@ -625,6 +727,16 @@ class TopK(_FixedK):
 
     def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         return topk(flat, k)
+
+    def _stride(self, n: int) -> int:
+        return _TOPK_STRIDE
+
+    def first_key(self, skeys, n: int) -> int:
+        return _kth_largest(skeys, _topk_rank(skeys.shape[0], n, self.value_count(n)))
+
+    def _select_from(self, flat: torch.Tensor, k: int, skeys, key: int,
+                     idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _topk_from(flat, k, skeys, idx)
 
 
 @register
@@ -646,6 +758,16 @@ class DGC(_FixedK):
 
     def _select(self, flat: torch.Tensor, k: int, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         return _dgc(flat, k, self.sample_ratio)
+
+    def _stride(self, n: int) -> int:
+        return _dgc_stride(n, self.sample_ratio)
+
+    def first_key(self, skeys, n: int) -> int:
+        return _dgc_first_key(skeys, n, self.value_count(n))
+
+    def _select_from(self, flat: torch.Tensor, k: int, skeys, key: int,
+                     idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _dgc_from(flat, k, key, idx)
 
 
 @register
