@@ -179,7 +179,7 @@ def test_compiled_scan_with_more_candidates_than_its_buffer(small_tiles):
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "dgc:ratio=0.02", "topk:ratio=0.05"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "dgc:ratio=0.02", "topk:ratio=0.05", "topk:ratio=0.3"])
 @pytest.mark.parametrize("sampled_large", [False, True])
 def test_dgc_pass_finds_the_candidates(cpu_path, nesterov, spec, sampled_large, monkeypatch):
     """Above the small-tensor size topk and dgc take their candidates from DGC momentum's
@@ -207,3 +207,37 @@ def test_dgc_pass_finds_the_candidates(cpu_path, nesterov, spec, sampled_large, 
         assert torch.equal(bits(new.u["w"]), bits(old.u["w"])), f"step {t}: u differs"
         assert torch.equal(bits(new.v["w"]), bits(old.v["w"])), f"step {t}: v differs"
     assert len(calls) == (5 if cpu_path == "compiled" else 0)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "dgc:ratio=0.02", "topk:ratio=0.05,indices=packed",
+                                  "threshold:threshold=1.5", "threshold:threshold=0.05"])
+@pytest.mark.parametrize("sampled_large", [False, True])
+def test_error_feedback_sum_finds_the_candidates(cpu_path, spec, sampled_large, monkeypatch):
+    """Under error feedback, topk, dgc (above the small-tensor size) and threshold take their
+    candidates from the pass that writes x + e, not from a scan: packets and residuals equal
+    the plain formulas' bit for bit, through non-finite steps (kept state) and, with
+    `sampled_large`, a first threshold that finds too few (the selection lowers it)."""
+    from feedback_oracle import OracleErrorFeedback
+    from gradwire.compress import sparse
+
+    fast = compiled.loops()
+    calls = []
+    real = fast.sum_at_least
+    monkeypatch.setattr(fast, "sum_at_least", lambda *a: calls.append(1) or real(*a))
+    c = gradwire.compressor(spec)
+    new, old = ErrorFeedback(c), OracleErrorFeedback(c)
+    n = 70_001
+    for t in range(6):
+        x = randn(n, seed=t)
+        if sampled_large and hasattr(c, "_stride"):
+            x.mul_(0.01)
+            sparse.sample_view(x, c._stride(n)).fill_(100.0 + t)
+        if t == 2:
+            x[777] = float("nan")
+        if t == 3:
+            x[70_000] = float("-inf")
+        pn = new.encode(x, "w", Ctx(step=t))
+        po, _ = old.encode_decode(x, "w", Ctx(step=t))
+        assert torch.equal(pn.tensor(), po.tensor()), f"step {t}: packets differ"
+        assert torch.equal(bits(new.residual("w")), bits(old.residuals["w"])), f"step {t}: residuals differ"
+    assert len(calls) == (6 if cpu_path == "compiled" else 0)

@@ -97,6 +97,7 @@ class _Scratch(threading.local):
 
     buf: torch.Tensor | None = None
     found: np.ndarray | None = None
+    most: int = 0  # the most candidates one scan has found (`found_indices`)
 
     def masks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.buf is None or self.buf.numel() < 2 * n:
@@ -106,8 +107,9 @@ class _Scratch(threading.local):
 
     def indices(self, n: int, k: int = 0) -> np.ndarray:
         """Room for the candidates of an n-element scan by the compiled loops for k: n/4
-        int64s (2 bytes an element, as the masks), or 2k."""
-        cap = max(1024, n // 4, 2 * k)
+        int64s (2 bytes an element, as the masks), or 2k, or 5/4 of the most found before
+        (a threshold under error feedback can pass over half the tensor)."""
+        cap = max(1024, n // 4, 2 * k, min(n, self.most + self.most // 4))
         if self.found is None or self.found.shape[0] < cap:
             self.found = None
             self.found = np.empty(cap, dtype=np.int64)
@@ -121,6 +123,7 @@ def release_scratch() -> None:
     """Free this thread's cached candidate masks and index buffer."""
     _scratch.buf = None
     _scratch.found = None
+    _scratch.most = 0
 
 
 def _masks(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +184,13 @@ def _candidates(flat: torch.Tensor, key: int) -> torch.Tensor:
     return torch.index_select(w, 0, j >> 3).mul_(8).add_(j & 7)
 
 
+def _compiled_sum(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) -> bool:
+    """Whether `compiled` ``sum_at_least`` can write out = x + residual."""
+    return (out.device.type == "cpu" and out.is_contiguous() and x.is_contiguous() and out.numel() > 0
+            and x.dtype == out.dtype == torch.float32 and compiled.enabled()
+            and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous())))
+
+
 def candidate_buffer(n: int, k: int = 0) -> np.ndarray:
     """This thread's buffer for the candidate indices a compiled scan of n elements writes
     (`found_indices` takes them out), with room for twice k."""
@@ -191,6 +201,7 @@ def found_indices(out: np.ndarray, count: int, flat: torch.Tensor, key: int) -> 
     """The candidates a compiled scan wrote to `out` (`count` of them), as a new tensor; when
     they did not fit (over a quarter of flat passed), a scan into a buffer of their size."""
     if count > out.shape[0]:
+        _scratch.most = max(_scratch.most, count)  # the next scan has room
         out = np.empty(count, dtype=np.int64)
         compiled.loops().at_least(_ints(flat).numpy(), key, out)
         return torch.from_numpy(out)
@@ -522,14 +533,39 @@ class _Sparse(Compressor):
             return self._encode_residual_cuda(x, residual, out, ctx)
         if not self.sends_input_values or out.is_cuda:
             return super().encode_residual(x, residual, out, ctx)
-        if residual is None:
-            out.copy_(x)
-        else:
-            torch.add(x, residual, out=out)
-        packet, idx = self.encode_selected(out, ctx)
+        packet, idx = self._sum_and_select(x, residual, out, ctx)
         values = packet.section(Kind.VALUES)
         self._zero_sent(out.view(-1), idx)
         return packet, parts_finite([values.sum()], [values])
+
+    def _sum_and_select(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
+                        ctx: Ctx | None) -> tuple[Packet, torch.Tensor]:
+        """out = x + residual (x when None), then `encode_selected(out)`. Where the compiled
+        loops run and the selection's first scan is for a key known before out is written
+        (`_scan_key`), the sum's pass writes the candidates down and that scan is skipped."""
+        found = self._scan_key(x, residual) if _compiled_sum(x, residual, out) else None
+        if found is None:
+            if residual is None:
+                out.copy_(x)
+            else:
+                torch.add(x, residual, out=out)
+            return self.encode_selected(out, ctx)
+        skeys, key = found
+        n, flat = compiled.np_view, out.view(-1)
+        buf = candidate_buffer(flat.numel(), self.value_count(flat.numel()) or 0)
+        count = compiled.loops().sum_at_least(n(x.detach().view(-1)), None if residual is None else n(residual.view(-1)),
+                                              n(flat), key, buf)
+        return self.encode_found(out, ctx, skeys, key, found_indices(buf, count, flat, key))
+
+    def _scan_key(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[object, int] | None:
+        """(the sample keys of x + residual or None, the key of the selection's first scan of
+        it) when that key can be known before the sum is written; else None."""
+        return None
+
+    def encode_found(self, x: torch.Tensor, ctx: Ctx | None, skeys, key: int,
+                     idx: torch.Tensor) -> tuple[Packet, torch.Tensor]:
+        """`encode_selected(x, ctx)`, given what `_scan_key` gave and the candidates of key."""
+        raise NotImplementedError
 
     def _zero_sent(self, flat: torch.Tensor, idx: torch.Tensor) -> None:
         """The residual at the sent positions: +0."""
@@ -698,6 +734,17 @@ class _FixedK(_Sparse):
         """The sample stride of a selection that samples and scans (randomk does not)."""
         return None
 
+    def _scan_key(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[object, int] | None:
+        stride = self.scan_plan(x)
+        if stride is None:
+            return None
+        n = compiled.np_view
+        sample = sample_view(n(x.detach().view(-1)), stride)
+        if residual is not None:  # float32 sums, as the pass (and torch.add) makes them
+            sample = sample + sample_view(n(residual.view(-1)), stride)
+        skeys = sample_keys_of(np.ascontiguousarray(sample).view(np.int32), torch.float32)
+        return skeys, self.first_key(skeys, x.numel())
+
     def first_key(self, skeys, n: int) -> int:
         """The first threshold key, from the keys of the sample of an n-element input."""
         raise NotImplementedError
@@ -790,6 +837,15 @@ class Threshold(_Sparse):
             return self._sections(flat.numel(), idx, vals), idx
         idx = _candidates(flat, _ceil_key(self.threshold, flat.dtype))
         return self._sections(flat.numel(), idx, _gather(flat, idx)), idx
+
+    def _scan_key(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[object, int] | None:
+        return None, _ceil_key(self.threshold, torch.float32)
+
+    def encode_found(self, x: torch.Tensor, ctx: Ctx | None, skeys, key: int,
+                     idx: torch.Tensor) -> tuple[Packet, torch.Tensor]:
+        check_input(self.name, x)
+        flat = x.detach().reshape(-1)
+        return self._packet(x, self._sections(flat.numel(), idx, _gather(flat, idx))), idx
 
     def _zero_sent(self, flat: torch.Tensor, idx: torch.Tensor) -> None:
         """Under error feedback the count follows the residual and can pass half the tensor;
