@@ -241,3 +241,29 @@ def test_error_feedback_sum_finds_the_candidates(cpu_path, spec, sampled_large, 
         assert torch.equal(pn.tensor(), po.tensor()), f"step {t}: packets differ"
         assert torch.equal(bits(new.residual("w")), bits(old.residuals["w"])), f"step {t}: residuals differ"
     assert len(calls) == (6 if cpu_path == "compiled" else 0)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_residual_loop_decodes_every_code_as_the_torch_path(fmt):
+    """All 256 codes (subnormals, both zeros, the largest, NaN/Inf), two chunks with different
+    factors: c - w * factor equals the torch path's bit for bit where the code is finite, and
+    is finite where the torch path's is (e4m3's NaN codes decode finite there: only a chunk with
+    a non-finite scale holds them)."""
+    from gradwire.compress import quantize
+
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).repeat(2).view(dtype)
+    c = randn(512, seed=9) * 100
+    factor = torch.tensor([3.0e-3, 7.5e2])
+    lift = 1.0 if fmt == "e5m2" else 256.0
+    w = torch.empty(512)
+    got_lift = quantize._fp8_as_half(codes, fmt, torch.empty(512, dtype=torch.int32), w)
+    assert got_lift == lift
+    want = c - w * factor.repeat_interleave(256)
+    out = torch.empty(512)
+    compiled.loops().residual_fp8(c.numpy(), codes.view(torch.int8).numpy(), factor.numpy(), 256, fmt == "e5m2",
+                                  out.numpy())
+    finite = torch.isfinite(codes.float())
+    assert finite.sum() >= 2 * 240
+    assert torch.equal(bits(out[finite]), bits(want[finite]))
+    assert torch.equal(torch.isfinite(out[~finite]), torch.isfinite(want[~finite]))

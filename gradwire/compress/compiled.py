@@ -260,6 +260,44 @@ def _define() -> SimpleNamespace:
         return bad == 0
 
     @jit
+    def residual_fp8(c, codes, factor, chunk, e5m2, out):
+        """out = c - w * factor[chunk], w being each fp8 code's value times 2**-8 (e4m3) or
+        2**0 (e5m2), built from its bits as `quantize._fp8_as_half` builds it through fp16
+        (exact: normal codes move their exponent, subnormal ones are small integers times a
+        power of two); the caller checks by scales. In two passes over each chunk, integer
+        then float, so both vectorize. NaN/Inf codes (a non-finite chunk only) come out
+        non-finite or finite as there, times that chunk's non-finite factor."""
+        n = c.size
+        bits = out.view(np.int32)
+        for j in range(factor.size):
+            f, s = factor[j], j * chunk
+            m = min(chunk, n - s)
+            cs, ks, os, bs = c[s:s + m], codes[s:s + m], out[s:s + m], bits[s:s + m]
+            if e5m2:
+                for i in range(m):
+                    b = np.int32(ks[i]) & np.int32(0xFF)
+                    bs[i] = ((b & np.int32(0x80)) << 24) | ((((b >> 2) & np.int32(0x1F)) + np.int32(112)) << 23) \
+                        | ((b & np.int32(3)) << 21)
+                for i in range(m):
+                    b = np.int32(ks[i]) & np.int32(0xFF)
+                    ex = (b >> 2) & np.int32(0x1F)
+                    sign = np.float32(-1.0) if b >= np.int32(0x80) else np.float32(1.0)
+                    w = sign * np.float32(b & np.int32(3)) * np.float32(2.0 ** -16) if ex == 0 else os[i]
+                    w = w * np.float32(np.inf) if ex == np.int32(0x1F) else w
+                    os[i] = cs[i] - w * f
+            else:
+                for i in range(m):
+                    b = np.int32(ks[i]) & np.int32(0xFF)
+                    bs[i] = ((b & np.int32(0x80)) << 24) | ((((b >> 3) & np.int32(0xF)) + np.int32(112)) << 23) \
+                        | ((b & np.int32(7)) << 20)
+                for i in range(m):
+                    b = np.int32(ks[i]) & np.int32(0xFF)
+                    sign = np.float32(-1.0) if b >= np.int32(0x80) else np.float32(1.0)
+                    w = sign * np.float32(b & np.int32(7)) * np.float32(2.0 ** -17) if (b & np.int32(0x78)) == 0 \
+                        else os[i]
+                    os[i] = cs[i] - w * f
+
+    @jit
     def residual_signs(c, cbits, scales, pairs, chunk, out):
         """out = c - d, d being the chunk's scale with c's sign (sign), or the chunk's
         negative value where c's sign bit is set, else its non-negative one (onebit,
@@ -311,5 +349,5 @@ def _define() -> SimpleNamespace:
     return SimpleNamespace(absbits_max=absbits_max, dgc_inplace=dgc_inplace, mask_own=mask_own,
                            at_least=at_least, dgc_inplace_at_least=dgc_inplace_at_least, sum_at_least=sum_at_least,
                            residual_levels=residual_levels, residual_int8=residual_int8,
-                           residual_signs=residual_signs, zero_at_least=zero_at_least,
+                           residual_signs=residual_signs, residual_fp8=residual_fp8, zero_at_least=zero_at_least,
                            sum_into=sum_into)

@@ -324,6 +324,14 @@ class _Residual:
         n = compiled.np_view
         self._flags.append(bool(self.fast.residual_int8(n(c), n(w), n(scale), n(mid), chunk, n(self.flat[s:e]))))
 
+    def subtract_fp8(self, s: int, e: int, codes: torch.Tensor, factor: torch.Tensor, chunk: int,
+                     e5m2: bool) -> None:
+        """`subtract` of fp8 codes times their chunk's factor (scale times `_fp8_as_half`'s
+        lift) in one compiled pass; the caller checks by scales."""
+        c = self._corrected(s, e)
+        n = compiled.np_view
+        self.fast.residual_fp8(n(c), n(codes.view(torch.int8)), n(factor), chunk, e5m2, n(self.flat[s:e]))
+
     def subtract_signs(self, s: int, e: int, scales: torch.Tensor, pairs: bool, chunk: int) -> None:
         """`subtract` of sign's or onebit's decoded values (from the corrected input's sign
         bits and the chunk scales) in one compiled pass."""
@@ -540,7 +548,10 @@ class FP8(_Chunked):
                 for p, f, o in zip(parts, _split(inv, parts), _rows(w, chunk)):
                     torch.mul(p, f, out=o)
                 codes[s:e].copy_(w)  # one rounding to fp8 (faster than a mixed-dtype mul)
-                if fb is not None:  # decode: codes times scale (torch's fp8 -> fp32 cast is slow)
+                if fb is not None and fb.fast is not None:
+                    fb.subtract_fp8(s, e, codes[s:e], sc * (1.0 if self.format == "e5m2" else 256.0), chunk,
+                                    self.format == "e5m2")
+                elif fb is not None:  # decode: codes times scale (torch's fp8 -> fp32 cast is slow)
                     lift = _fp8_as_half(codes[s:e], self.format, tiles.i32, w)
                     for p, f in zip(_rows(w, chunk), _split(sc * lift, parts)):
                         p.mul_(f)
