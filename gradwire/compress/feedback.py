@@ -229,12 +229,13 @@ class DGCMomentum:
             ub, vb = fast.dgc_inplace(g, uf, vf, m, self.nesterov)
             packet, pieces = self.compressor.encode_sent(v, ctx)
         else:
-            skeys = sparse.sample_keys_of(self._new_v(*(sparse.sample_view(a, stride) for a in (g, uf, vf))).view(np.int32),
-                                          torch.float32)
+            sample = self._new_v(*(sparse.sample_view(a, stride) for a in (g, uf, vf)))
+            skeys = sparse.sample_keys_of(sample.view(np.int32), torch.float32)
             key = self.compressor.first_key(skeys, v.numel())
             out = sparse.candidate_buffer(v.numel(), self.compressor.value_count(v.numel()))
             ub, vb, count = fast.dgc_inplace_at_least(g, uf, vf, m, self.nesterov, key, out)
-            packet, idx = self.compressor.encode_found(v, ctx, skeys, key, sparse.found_indices(out, count, v.view(-1), key))
+            found = sparse.found_indices(out, count, v.view(-1), key)
+            packet, idx = self.compressor.encode_found(v, ctx, skeys, key, found)
             pieces = self.compressor.pieces(packet, idx, packet.section(Kind.VALUES))
         for where, _sent in pieces:
             fast.mask_own(uf, vf, n(where))

@@ -553,8 +553,8 @@ class _Sparse(Compressor):
         skeys, key = found
         n, flat = compiled.np_view, out.view(-1)
         buf = candidate_buffer(flat.numel(), self.value_count(flat.numel()) or 0)
-        count = compiled.loops().sum_at_least(n(x.detach().view(-1)), None if residual is None else n(residual.view(-1)),
-                                              n(flat), key, buf)
+        e = None if residual is None else n(residual.view(-1))
+        count = compiled.loops().sum_at_least(n(x.detach().view(-1)), e, n(flat), key, buf)
         return self.encode_found(out, ctx, skeys, key, found_indices(buf, count, flat, key))
 
     def _scan_key(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[object, int] | None:
