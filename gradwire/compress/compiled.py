@@ -143,7 +143,8 @@ def _define() -> SimpleNamespace:
         magnitude key is at least key: a sparsifier's first candidates, found while v is
         in registers instead of in a pass of their own. Returns (ub, vb, count). Blocks of
         32 with a fixed trip count (0.5 adds over `dgc_inplace`; 64: 0.7, 16: 1.0, and a
-        variable trip count stops LLVM vectorizing: 6)."""
+        variable trip count stops LLVM vectorizing: 6). The update is `dgc_inplace`'s, written
+        out again: calling an inlined span of it per block measured 7.5 adds."""
         ui, vi = u.view(np.int32), v.view(np.int32)
         ub = np.int32(0)
         vb = np.int32(0)
