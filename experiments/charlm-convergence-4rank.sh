@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Character-level transformer LM, 4 ranks x 1,600 steps (~15.6 epochs of the text, until dense's test perplexity
+# bottoms out): dense, top-k 1% + EF and PowerSGD rank 16 with charlm's LM settings (docs/benchmarks.md,
+# "charlm to convergence"; docs/experiments/charlm-convergence-4rank). 2 ranks: charlm-convergence-2rank.sh.
+# Run from any folder: bash experiments/charlm-convergence-4rank.sh [extra gradwire experiment options]
+exec gradwire experiment --task charlm --methods none,topk,powersgd:rank=16 --ratios 0.01 --worlds 4 --steps 1600 --eval-every 200 --out experiment-results/charlm-convergence-4rank "$@"
