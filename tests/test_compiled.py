@@ -163,7 +163,7 @@ def test_compiled_scan_finds_what_the_numpy_scan_finds(cpu_path, n, threshold):
     assert got.dtype == torch.int64 and torch.equal(got, _scan_oracle(x, key))
 
 
-def test_compiled_scan_with_more_candidates_than_its_buffer(small_tiles):
+def test_compiled_scan_with_more_candidates_than_its_buffer():
     """Over a quarter passing overflows the scratch buffer: counted, then found again into a
     buffer of their size."""
     from gradwire.compress import sparse
@@ -206,6 +206,10 @@ def test_dgc_pass_finds_the_candidates(cpu_path, nesterov, spec, sampled_large, 
         assert torch.equal(pn.tensor(), po.tensor()), f"step {t}: packets differ"
         assert torch.equal(bits(new.u["w"]), bits(old.u["w"])), f"step {t}: u differs"
         assert torch.equal(bits(new.v["w"]), bits(old.v["w"])), f"step {t}: v differs"
+        if cpu_path == "compiled":  # the next step's overflow proof rests on these bounds
+            ub, vb = new._bounds["w"]
+            assert ub >= fast.absbits_max(new.u["w"].view(torch.int32).numpy()) > 0
+            assert vb >= fast.absbits_max(new.v["w"].view(torch.int32).numpy()) > 0
     assert len(calls) == (5 if cpu_path == "compiled" else 0)
 
 

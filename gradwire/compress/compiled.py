@@ -124,8 +124,8 @@ def _define() -> SimpleNamespace:
         0x7FFFFFFF``, is at least key (NaN included), written to out; returns their count,
         which exceeds out.size when out is too small (only out.size are written then).
         Blocks of 128: a vectorized max, then a look (`note`) only into blocks that hold one.
-        25M elements on
-        the test VM: 4 ms at 0.1%, 8 at 1%, 19 at 20%, 75 at 50% (NumPy's masks: 13, 18, 60, 158)."""
+        25M elements on the test VM (benchmarks/candidate_scan.py): 4 ms at 0.1%, 9 at 1%,
+        21 at 20%, 27 at 50% (NumPy's masks: 12, 18, 52, 132)."""
         c, width = 0, 128
         blocks = bits.size // width
         for b in range(blocks):
