@@ -205,3 +205,28 @@ def test_default_error_feedback_and_start_follow_the_compressor(spec, strategy, 
     assert gw_ddp.GradwireState(spec, strategy=strategy, error_feedback="on").error_feedback is True
     with pytest.raises(ValueError, match="unknown compressor"):
         gw_ddp.GradwireState("nosuch")
+
+
+
+def _per_step_stats(rank: int, world: int) -> dict:
+    out = {}
+    for spec, strategy, options in [("topk:ratio=0.1", "allgather", {}), ("fp16", "allreduce", {}),
+                                    ("topk:ratio=0.1", "hierarchical", {"ranks_per_node": 2, "inner": "allgather"}),
+                                    ("none", "powersgd", {"rank": 2})]:
+        _, _, state, _ = train(rank, spec, 8, {"strategy": strategy, **options})
+        out[f"{spec}@{strategy}"] = state.history
+    return out
+
+
+def test_each_steps_stats_count_every_bucket_of_that_step():
+    """With several buckets in flight, a bucket finishing after the step's last one is still that
+    step's: every step's record counts each parameter's bytes exactly once."""
+    total = sum(p.numel() * 4 for p in make_model().parameters())
+    for name, history in run_ranks(_per_step_stats, 4, timeout=300)[0].items():
+        assert [h["iter"] for h in history] == list(range(8)), name
+        assert len(history[-1]["buckets"]) > 1, name  # (DDP's first step has one bucket, then it rebuilds)
+        assert [h["dense_bytes"] for h in history] == [total] * 8, name
+        assert all(h["exchange_s"] > 0 for h in history), name
+        if "hierarchical" in name:  # the inter-node stage runs in a callback, after the intra-node one
+            assert len({h["intra_bytes_sent"] for h in history[2:]}) == 1, name
+            assert all(0 < h["inter_bytes_sent"] < total for h in history[2:]), name

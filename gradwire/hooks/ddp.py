@@ -103,6 +103,7 @@ class GradwireState:
         self._dense: DenseAllreduce | None = None
         self._pending_state: dict[str, Any] | None = None
         self._checked = False
+        self._in_flight: list[torch.futures.Future] = []  # this step's bucket results so far
         self._param_names: dict[int, str] = {}
         self._param_sizes: list[int] | None = None
         if model is not None:
@@ -175,7 +176,7 @@ class GradwireState:
 
     # ---- per-step bookkeeping --------------------------------------------------------
     def _record(self, step: int) -> None:
-        """Close one step's statistics (runs when its last bucket's exchange completes)."""
+        """Close one step's statistics (runs when all of its buckets' exchanges have completed)."""
         merged = self.strategy.take_stats().merge(self.dense.take_stats()).as_dict()
         merged["iter"] = step
         if step >= self.start_iter and ratio_of(self._final) is not None:
@@ -220,7 +221,8 @@ class GradwireState:
 
     def __getstate__(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items()
-             if k not in ("process_group", "_strategy", "_dense", "_pending_state", "_checked", "_param_names")}
+             if k not in ("process_group", "_strategy", "_dense", "_pending_state", "_checked", "_param_names",
+                          "_in_flight")}
         d["_pending_state"] = self.state_dict()["strategy"]
         return d
 
@@ -231,6 +233,7 @@ class GradwireState:
         self._dense = None
         self._checked = False
         self._param_names = {}
+        self._in_flight = []
         self._tuned = -1
 
 
@@ -254,11 +257,16 @@ def gradwire_hook(state: GradwireState, bucket: dist.GradBucket) -> torch.future
         ctx = Ctx(seed=state.seed, step=state.iter, rank=state.backend.rank, key=key)
         shapes = [p.shape for p in bucket.parameters()]
         work = state.strategy.exchange(buffer, key, ctx, average=True, shapes=shapes, keys=state.keys_of(bucket))
-    if bucket.is_last():
-        step = state.iter
-        state.iter += 1
-        work = work.then(lambda result: (state._record(step), result)[1])
-    return work.future()
+    if key == 0:  # DDP calls the buckets in index order: a new step (and nothing left from a failed one)
+        state._in_flight = []
+    future = work.future()
+    state._in_flight.append(future)
+    if bucket.is_last():  # the step's record waits for all its buckets, which may finish in any order
+        step, pending = state.iter, state._in_flight
+        state.iter, state._in_flight = state.iter + 1, []
+        last = future
+        return torch.futures.collect_all(pending).then(lambda _: (state._record(step), last.value())[1])
+    return future
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str = "topk:ratio=0.01",
