@@ -102,10 +102,14 @@ def _trial(rank: int, world: int) -> dict:
     order = auto.candidates([1 << 12], torch.float32)
     choices, outs = [], []
     for step in range(2 * len(order) + 2):  # an untimed round, then one timed turn each
-        x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(10 * step + rank))
-        outs.append(auto.exchange(x, 0, Ctx(rank=rank, step=step), average=True).wait())
+        auto.take_stats()  # (so the last step's record is the last step's alone)
+        for key, n in ((0, 1 << 12), (1, 1 << 14)):  # two buckets a step, each timed and chosen for
+            x = torch.randn(n, generator=torch.Generator().manual_seed(10 * step + rank))
+            outs.append(auto.exchange(x, key, Ctx(rank=rank, step=step), average=True).wait())
         choices.append(auto.choice)
-    return {"order": order, "choices": choices, "measured": auto.measured, "outs": outs}
+    return {"order": order, "choices": choices, "measured": auto.measured, "outs": outs,
+            "per_bucket": auto.measured_per_bucket, "bucket_choices": auto.choices,
+            "used": auto.take_stats().buckets}
 
 
 def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
@@ -119,5 +123,72 @@ def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
     assert a["choices"] == b["choices"] and a["measured"] == b["measured"]
     assert set(a["measured"]) == set(a["order"]) and all(t > 0 for t in a["measured"].values())
     assert a["choices"][n] == prefer(a["measured"], margin=TRIAL_MARGIN)
+    # each bucket has its own times and choice; the overall times are their sums
+    assert set(a["per_bucket"]) == set(a["bucket_choices"]) == {"0", "1"}
+    assert a["per_bucket"] == b["per_bucket"] and a["bucket_choices"] == b["bucket_choices"]
+    for bucket, times in a["per_bucket"].items():
+        assert a["bucket_choices"][bucket] == prefer(times, margin=TRIAL_MARGIN)
+    for name, total in a["measured"].items():
+        assert abs(total - sum(t[name] for t in a["per_bucket"].values())) < 1e-12
+    for bucket, choice in a["bucket_choices"].items():  # the last step used each bucket's own choice
+        assert a["used"][bucket] == {"bf16": "allreduce"}.get(choice, choice)
     for x, y in zip(a["outs"], b["outs"]):
         assert torch.equal(x, y)
+
+
+def _lowrank(rank: int, world: int) -> dict:
+    backend = TorchDistBackend()
+    shapes = [torch.Size([256, 128]), torch.Size([128])]
+    sizes = [s.numel() for s in shapes]
+    common = dict(inner="powersgd", rank=2, ranks_per_node=2, trials=0)
+    slow_between = Auto(backend, "none", alpha=1e-4, beta=1e-7, intra_alpha=1e-6, intra_beta=1e-11, **common)
+    fast = Auto(backend, "none", alpha=1e-6, beta=1e-12, intra_alpha=1e-6, intra_beta=1e-12, **common)
+    trial = Auto(backend, "none", inner="powersgd", rank=2, ranks_per_node=2, trials=1)
+    gen = torch.Generator().manual_seed(rank)
+    outs, choices = [], []
+    order = trial.candidates(sizes, torch.float32, shapes)
+    for step in range(2 * len(order) + 2):  # an untimed round, a timed one, then the choice
+        x = torch.randn(sum(sizes), generator=gen)
+        outs.append(trial.exchange(x, 0, Ctx(rank=rank, step=step), average=True, shapes=shapes,
+                                   keys=["w", "b"]).wait())
+        choices.append(trial.choice)
+    out = {"slow": slow_between.predict(sizes, torch.float32, shapes),
+           "slow_choice": slow_between.choose(sizes, torch.float32, shapes),
+           "fast_choice": fast.choose(sizes, torch.float32, shapes), "unknown": fast.predict(sizes, torch.float32),
+           "order": order, "trial_order": trial._trial[1], "measured": trial.measured, "choices": choices, "outs": outs}
+    torch.distributed.barrier()  # the sub-groups outlive every pending callback
+    return out
+
+
+def test_auto_with_lowrank_candidates_weighs_powersgd_flat_and_between_nodes():
+    """inner="powersgd": the compressed candidates are PowerSGD's own allreduce and PowerSGD
+    between nodes, modelled from the matrices' shapes, timed in the trial beside dense and bf16."""
+    results = run_ranks(_lowrank, 4, timeout=600)
+    a = results[0]
+    assert set(a["slow"]) == {"dense", "bf16", "powersgd", "hierarchical"}
+    assert a["slow"]["powersgd"] < a["slow"]["bf16"] < a["slow"]["dense"]  # rank 2 of 256x128: 1/40 the bytes
+    assert a["slow"]["hierarchical"] < a["slow"]["powersgd"]  # only a node's share crosses the slow links
+    assert a["slow_choice"] == "hierarchical" and a["fast_choice"] in ("dense", "bf16")
+    assert a["unknown"]["powersgd"] == 0.0  # no shapes: trusted, so the trial measures it
+    assert {"bf16", "dense", "powersgd"} <= set(a["order"]) and a["trial_order"] == a["order"]
+    n = 2 * len(a["order"])
+    assert set(a["measured"]) == set(a["order"]) and all(t > 0 for t in a["measured"].values())
+    assert a["choices"][:n] == [None] * n and a["choices"][n] == prefer(a["measured"], margin=TRIAL_MARGIN)
+    for r in results[1:]:
+        assert r["choices"] == a["choices"] and r["measured"] == a["measured"]
+        assert all(torch.equal(x, y) for x, y in zip(r["outs"], a["outs"]))
+
+
+def test_auto_lowrank_options_are_checked():
+    import pytest
+
+    from gradwire.comm.registry import make_strategy
+
+    with pytest.raises(ValueError, match="'powersgd', got 'allgather'"):
+        Auto(None, "none", inner="allgather")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\['rank'\] only with inner='powersgd'"):
+        Auto(None, "topk:ratio=0.01", rank=4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="compressor must be 'none'"):
+        Auto(None, "topk:ratio=0.01", inner="powersgd", rank=4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="takes"):
+        make_strategy("auto", None, "none", inner="powersgd", ranks=4)  # type: ignore[arg-type]

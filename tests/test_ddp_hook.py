@@ -230,3 +230,29 @@ def test_each_steps_stats_count_every_bucket_of_that_step():
         if "hierarchical" in name:  # the inter-node stage runs in a callback, after the intra-node one
             assert len({h["intra_bytes_sent"] for h in history[2:]}) == 1, name
             assert all(0 < h["inter_bytes_sent"] < total for h in history[2:]), name
+
+
+def _auto_lowrank(rank: int, world: int) -> dict:
+    options = {"strategy": "auto", "inner": "powersgd", "rank": 2, "ranks_per_node": 2, "trials": 1}
+    model, _, state, losses = train(rank, "none", STEPS, options)
+    out = {"params": params(model), "losses": losses, "choice": state.strategy.choice,
+           "choices": state.strategy.choices, "candidates": sorted(state.strategy.measured),
+           "feedback": state.error_feedback, "buckets": [h["buckets"] for h in state.history]}
+    dist.barrier()  # the hierarchical candidate's sub-groups outlive every pending callback
+    return out
+
+
+def test_auto_with_lowrank_candidates_trains_in_the_hook_and_ranks_agree():
+    results = run_ranks(_auto_lowrank, 4, timeout=300)
+    a = results[0]
+    assert a["feedback"] is True  # PowerSGD's own error feedback, on by default
+    assert {"dense", "bf16", "powersgd"} <= set(a["candidates"]) and a["choice"] in a["candidates"]
+    assert set(a["buckets"][0].values()) == {"dense"}  # the dense first steps
+    last = a["buckets"][-1]
+    assert len(a["choices"]) > 1 and set(a["choices"]) <= set(last)  # every bucket has its own choice
+    for bucket, choice in a["choices"].items():
+        assert last[bucket] == {"bf16": "allreduce"}.get(choice, choice)  # (the name bf16 is recorded under)
+    assert sum(a["losses"][-5:]) < 0.5 * sum(a["losses"][:5])
+    for r in results[1:]:
+        assert (r["choice"], r["choices"]) == (a["choice"], a["choices"])
+        assert all(torch.equal(x, y) for x, y in zip(r["params"], a["params"]))

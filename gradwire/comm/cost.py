@@ -149,19 +149,28 @@ class Auto(Strategy):
     cheapest of dense allreduce, allgather of packets and (for plain top-k) oktopk, by the
     cost model (AR-top-k is not a candidate: it sends one rank's positions for all); on several
     nodes of several ranks also a bf16 allreduce and `hierarchical`, with the links inside and
-    between nodes measured apart. The choice is made
+    between nodes measured apart. The model's choice is made
     once, from the sizes of all the tensors exchanged (`plan_sizes`, set by the DDP hook from the
     model's parameters) or else from the first bucket, so it is the same on every rank and does
     not depend on how tensors are grouped into buckets. The model only shortlists: with
     `trials=N` (default 2) each shortlisted candidate, dense and bf16 always among them, runs
     one untimed step and N timed ones, with its encode and decode, and the ranks choose by the
-    mean of their times, within `TRIAL_MARGIN`. The candidates take turns, one step each: a
+    mean of their times, within `TRIAL_MARGIN`, for each bucket (`choices`; `choice`, from the
+    buckets' summed times, serves a bucket the trial did not see, such as a resumed DDP's first
+    grouping): a bucket of small tensors may stay dense while a large one is compressed. The
+    candidates take turns, one step each: a
     first step pays for connections, allocations and compiling, and drift over the trial then
     hits all alike. Why measure: the model misses what compression costs besides the wire
     (per-tensor overheads, ranks sharing cores: at 1 Gbit/s on 4 ranks of 2 cores it modelled
     top-k allgather at 1.9 ms against dense's 10.3 ms; measured, the step was 28 ms against
     16). Error feedback of the candidates not chosen is dropped with them (N + 1 steps of
-    residual). `trials=0`: the model alone."""
+    residual). `trials=0`: the model alone.
+
+    `inner="powersgd"` (with PowerSGD's options: rank=, seed=, ...) makes the compressed
+    candidates low-rank: PowerSGD's own allreduce and, on several nodes, `hierarchical` with
+    PowerSGD between nodes, beside dense and bf16 (the compressor is then `none`). Its wire
+    bytes are modelled from the matrices' shapes (`plan_shapes`, set by the DDP hook, or the
+    first bucket's); its compute is not modelled, so on a fast link the trial is what rejects it."""
 
     name = "auto"
 
@@ -169,8 +178,17 @@ class Auto(Strategy):
                  alpha: float | None = None, beta: float | None = None,
                  gamma_encode: float | None = None, gamma_decode: float | None = None, min_numel: int = 0,
                  ranks_per_node: int | None = None, intra_alpha: float | None = None,
-                 intra_beta: float | None = None, trials: int = 2) -> None:
+                 intra_beta: float | None = None, trials: int = 2, inner: str | None = None,
+                 **inner_options: Any) -> None:
         super().__init__(backend, compressor, error_feedback=False, min_numel=min_numel)
+        if inner not in (None, "powersgd"):
+            raise ValueError(f"auto's inner= chooses low-rank candidates: 'powersgd', got {inner!r}")
+        if inner_options and inner is None:
+            raise ValueError(f"auto takes {sorted(inner_options)} only with inner='powersgd'")
+        self.lowrank: dict[str, Any] | None = dict(inner_options) if inner == "powersgd" else None
+        if self.lowrank is not None and self.compressor.name != "none":
+            raise ValueError(f"auto with inner='powersgd' is its own compression: compressor must be 'none', "
+                             f"got {str(self.compressor)!r}")
         if (alpha is None) != (beta is None) or (intra_alpha is None) != (intra_beta is None):
             raise ValueError("give both alpha and beta (intra_alpha and intra_beta) to override the measured "
                              "cost model, or neither")
@@ -178,14 +196,17 @@ class Auto(Strategy):
             raise ValueError("give both gamma_encode and gamma_decode, or neither")
         c = self.compressor
         self.plan_sizes: list[int] | None = None
+        self.plan_shapes: list[torch.Size] | None = None  # (the DDP hook sets both from the model)
         self.choice: str | None = None
         if int(trials) < 0:
             raise ValueError(f"trials must be >= 0, got {trials}")
         self.trials = int(trials)  # steps each candidate is timed for before choosing (0: the model alone)
         self.measured: dict[str, float] = {}  # candidate -> mean seconds of its trial steps, over ranks
+        self.measured_per_bucket: dict[str, dict[str, float]] = {}  # the same for each bucket
+        self.choices: dict[str, str] = {}  # bucket key -> its measured choice (else `choice`)
         self._trial: tuple[int, list[str]] | None = None  # (first step, candidates in trial order)
-        self._spent: dict[str, float] = {}
-        if c.summable:
+        self._spent: dict[str, dict[str, float]] = {}  # bucket key -> candidate -> seconds
+        if c.summable and self.lowrank is None:
             self.subs: dict[str, Strategy] = {"allreduce": Allreduce(backend, c, error_feedback)}
             self.choice = "allreduce"  # nothing to measure
             return
@@ -195,7 +216,14 @@ class Auto(Strategy):
         self._feedback = error_feedback
         log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s)", self.model.alpha, self.model.beta,
                  1e-9 / self.model.beta)
-        self.subs = {"dense": DenseAllreduce(backend), "allgather": Allgather(backend, c, error_feedback, min_numel)}
+        self.subs = {"dense": DenseAllreduce(backend)}
+        if self.lowrank is not None:
+            from .powersgd import PowerSGD
+
+            self.subs["powersgd"] = PowerSGD(backend, error_feedback, **self.lowrank)
+            self.gamma = (0.0, 0.0)  # (not modelled: the trial measures it)
+        else:
+            self.subs["allgather"] = Allgather(backend, c, error_feedback, min_numel)
         if c.name == "topk":
             from .oktopk import OkTopK
 
@@ -204,7 +232,8 @@ class Auto(Strategy):
         self.intra_model: CostModel | None = None
         per_node = ranks_per_node or launcher_ranks_per_node()
         if per_node is not None and 1 < per_node < backend.world_size:  # several nodes of several ranks
-            h = Hierarchical(backend, c, error_feedback, ranks_per_node=per_node, min_numel=min_numel)
+            between = {"inner": "powersgd", **self.lowrank} if self.lowrank is not None else {"min_numel": min_numel}
+            h = Hierarchical(backend, c, error_feedback, ranks_per_node=per_node, **between)
             self.subs["hierarchical"] = h
             self.subs["bf16"] = Allreduce(backend, "bf16", error_feedback=False)  # the cheap dense baseline
             if intra_alpha is not None:
@@ -216,11 +245,14 @@ class Auto(Strategy):
                      backend.world_size // per_node, per_node, self.intra_model.alpha, self.intra_model.beta,
                      self.inter_model.alpha, self.inter_model.beta)
 
-    def predict(self, sizes: list[int], dtype: torch.dtype) -> dict[str, float]:
-        """Modelled seconds of each candidate for exchanging tensors of these sizes."""
+    def predict(self, sizes: list[int], dtype: torch.dtype,
+                shapes: list[torch.Size] | None = None) -> dict[str, float]:
+        """Modelled seconds of each candidate for exchanging tensors of these sizes (and shapes)."""
         world, m = self.backend.world_size, self.model
         item = torch.empty((), dtype=dtype).element_size()
         dense = sum(sizes) * item
+        if self.lowrank is not None:
+            return self._predict_lowrank(sizes, item, shapes)
         packed = [estimated_packet_bytes(self.compressor, n, dtype) for n in sizes]
         times = {"dense": m.allreduce(dense, world)}
         if None in packed:
@@ -248,11 +280,35 @@ class Auto(Strategy):
                                      + numel // g * (enc + nodes * dec))
         return times
 
-    def candidates(self, sizes: list[int], dtype: torch.dtype) -> list[str]:
+    def _predict_lowrank(self, sizes: list[int], item: int, shapes: list[torch.Size] | None) -> dict[str, float]:
+        """PowerSGD's candidates: its allreduces of the dense part, of P and of Q (three
+        messages), flat or between nodes on a node's share. Unknown shapes: 0 (trust the user)."""
+        from .powersgd import _layout
+
+        world, m, numel = self.backend.world_size, self.model, sum(sizes)
+        times = {"dense": m.allreduce(numel * item, world), "powersgd": 0.0}
+        if self.intra_model is not None:
+            times["bf16"] = m.allreduce(numel * 2, world)
+            times["hierarchical"] = 0.0
+        if shapes is None or sum(math.prod(s) for s in shapes) != numel:
+            return times
+        rank, rate = int(self.lowrank.get("rank", 1)), float(self.lowrank.get("min_compression_rate", 2.0))
+        plan = _layout(numel, list(shapes), [str(i) for i in range(len(shapes))], rank, rate)
+        parts = [n * item for n in (plan.dense_numel, plan.p_numel, plan.q_numel) if n]
+        times["powersgd"] = sum(m.allreduce(n, world) for n in parts)
+        if self.intra_model is not None:
+            g = self.subs["hierarchical"].intra.world_size  # type: ignore[attr-defined]
+            nodes, intra = world // g, self.intra_model
+            times["hierarchical"] = (intra.alltoall(numel * item * (g - 1) // g, g) + intra.allgather(numel * item // g, g)
+                                     + sum(self.inter_model.allreduce(n // g, nodes) for n in parts))
+        return times
+
+    def candidates(self, sizes: list[int], dtype: torch.dtype,
+                   shapes: list[torch.Size] | None = None) -> list[str]:
         """What the timed trial runs: dense and bf16 always (the model misses what compression
         costs beside the wire on a busy host), and every other candidate the model puts within
         3x of its fastest, fastest first."""
-        times = self.predict(self.plan_sizes or sizes, dtype)
+        times = self.predict(self.plan_sizes or sizes, dtype, self.plan_shapes or shapes)
         best = min(times.values())
         keep = [n for n in sorted(times, key=lambda n: times[n])
                 if n in ("dense", "bf16") or times[n] <= 3 * best]
@@ -266,7 +322,7 @@ class Auto(Strategy):
         allreduce that every rank reaches at the same bucket) and choose by `prefer`. None
         once chosen."""
         if self._trial is None:
-            self._trial = (ctx.step, self.candidates(sizes, x.dtype))
+            self._trial = (ctx.step, self.candidates(sizes, x.dtype, shapes))
         first, order = self._trial
         turn = ctx.step - first
         if turn < (self.trials + 1) * len(order):  # round 0 untimed, then `trials` timed rounds
@@ -276,19 +332,27 @@ class Auto(Strategy):
             began = time.perf_counter()
             out = sub.exchange(x, key, ctx, average, shapes, keys).wait()
             if turn >= len(order):
-                self._spent[name] = self._spent.get(name, 0.0) + time.perf_counter() - began
+                spent = self._spent.setdefault(str(key), {})  # (buckets in the order first seen, alike on all ranks)
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
             return Work.done(out)
-        spent = torch.tensor([self._spent.get(n, 0.0) / self.trials for n in order], dtype=torch.float64)
+        buckets = list(self._spent)
+        spent = torch.tensor([[self._spent[b].get(n, 0.0) / self.trials for n in order] for b in buckets],
+                             dtype=torch.float64).reshape(len(buckets), len(order))
         self.backend.allreduce(spent).wait()
-        self.measured = dict(zip(order, (spent / self.backend.world_size).tolist()))
+        spent /= self.backend.world_size
+        self.measured = dict(zip(order, spent.sum(0).tolist()))
+        self.measured_per_bucket = {b: dict(zip(order, row)) for b, row in zip(buckets, spent.tolist())}
         self.choice = prefer(self.measured, margin=TRIAL_MARGIN)
-        log.info("gradwire auto: %s after a timed trial of %d turns each: %s", self.choice, self.trials,
-                 ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()))
+        self.choices = {b: prefer(t, margin=TRIAL_MARGIN) for b, t in self.measured_per_bucket.items()}
+        log.info("gradwire auto: %s after a timed trial of %d turns each: %s; per bucket: %s", self.choice,
+                 self.trials, ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()),
+                 "; ".join(f"{b}: {self.choices[b]} ({', '.join(f'{n} {t * 1e3:.3f}' for n, t in m.items())})"
+                           for b, m in self.measured_per_bucket.items()))
         return None
 
-    def choose(self, sizes: list[int], dtype: torch.dtype) -> str:
+    def choose(self, sizes: list[int], dtype: torch.dtype, shapes: list[torch.Size] | None = None) -> str:
         if self.choice is None:
-            times = self.predict(self.plan_sizes or sizes, dtype)
+            times = self.predict(self.plan_sizes or sizes, dtype, self.plan_shapes or shapes)
             self.choice = prefer(times)
             log.info("gradwire auto: %s for %d tensors of %d elements in all; modelled: %s", self.choice,
                      len(self.plan_sizes or sizes), sum(self.plan_sizes or sizes),
@@ -302,7 +366,8 @@ class Auto(Strategy):
             trial = self._timed_exchange(x, key, ctx, average, shapes, keys, sizes)
             if trial is not None:
                 return trial
-        sub = self.subs[self.choose(sizes, x.dtype)]
+        chosen = self.choose(sizes, x.dtype, shapes)
+        sub = self.subs[self.choices.get(str(key), chosen)]
         sub.into_input = self.into_input
         return sub.exchange(x, key, ctx, average, shapes, keys)
 
@@ -313,11 +378,12 @@ class Auto(Strategy):
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        return {"choice": self.choice, "subs": {n: s.state_dict() for n, s in self.subs.items()}}  # (a resumed
-        # run keeps its choice; a checkpoint taken during the trial restarts it)
+        return {"choice": self.choice, "choices": dict(self.choices),  # (a resumed run keeps its choices;
+                "subs": {n: s.state_dict() for n, s in self.subs.items()}}  # one taken in the trial restarts it)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.choice = state["choice"]
+        self.choices = dict(state.get("choices", {}))
         for n, s in state["subs"].items():
             self.subs[n].load_state_dict(s)
 
@@ -325,7 +391,7 @@ class Auto(Strategy):
 # Candidates in the order of how little they change the training algorithm: dense is exact, bf16
 # rounds, allgather sums every rank's own top-k, hierarchical each node's; oktopk and artopk keep
 # about k entries of the global sum (artopk: at one rank's positions), so they lose more per step.
-PREFERENCE = ("dense", "bf16", "allgather", "hierarchical")
+PREFERENCE = ("dense", "bf16", "allgather", "hierarchical", "powersgd")
 APPROXIMATE = ("oktopk", "artopk")
 MARGIN = 0.10  # a candidate this much slower than the fastest, by the model, still counts as as fast
 #: The same for times measured in the trial: tighter, because it is a measurement, and because

@@ -53,7 +53,8 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
 
 
 def _powersgd(spec: str, via: str, error_feedback: str) -> Method:
-    """`powersgd:rank=R` (its own all-reduce), or `powersgd:rank=R@hierarchical` (between nodes)."""
+    """`powersgd:rank=R` (its own all-reduce), `powersgd:rank=R@hierarchical` (between nodes), or
+    `powersgd:rank=R@auto` (`auto` with low-rank candidates: dense, bf16, flat or between nodes)."""
     options: dict[str, Any] = {}
     for item in spec.split(":", 1)[1].split(",") if ":" in spec else []:
         name, _, value = item.partition("=")
@@ -65,9 +66,10 @@ def _powersgd(spec: str, via: str, error_feedback: str) -> Method:
     label = f"powersgd:rank={options['rank']}"
     if not via:
         return Method(label, "none", "powersgd", options, ef)
-    if via != "hierarchical":
-        raise ValueError(f"powersgd runs on its own all-reduce or between nodes (@hierarchical), not @{via}")
-    return Method(f"{label}@hierarchical", "none", "hierarchical", {"inner": "powersgd", **options}, ef)
+    if via not in ("hierarchical", "auto"):
+        raise ValueError(f"powersgd runs on its own all-reduce, between nodes (@hierarchical) or chosen by "
+                         f"@auto, not @{via}")
+    return Method(f"{label}@{via}", "none", via, {"inner": "powersgd", **options}, ef)
 
 
 def expand_methods(items: list[str], ratios: list[float]) -> list[str]:

@@ -245,9 +245,12 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
                "bytes_sent": per_rank[0]["bytes_sent"], "dense_bytes": per_rank[0]["dense_bytes"],
                "train_s": wall, "median_step_s": statistics.median(steady), "compute_ref_s": compute_ref,
                "steps": cfg.steps, "torch": torch.__version__}
-    choice = getattr(getattr(state, "_strategy", None), "choice", None)
-    if choice is not None:  # what `auto` chose (its cost model is in the rank logs)
+    strategy = getattr(state, "_strategy", None)
+    choice = getattr(strategy, "choice", None)
+    if choice is not None:  # what `auto` chose (its cost model and trial times are in the rank logs)
         summary["auto_choice"] = choice
+        if getattr(strategy, "choices", None):
+            summary["auto_choices"] = dict(strategy.choices)  # per bucket
     links = [r["node_link_tx_bytes"] for r in per_rank if "node_link_tx_bytes" in r]
     if links:  # measured on the emulated cluster's links: what really crossed between nodes
         summary["inter_node_wire_bytes_per_rank"] = sum(links) / world

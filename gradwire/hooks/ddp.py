@@ -83,7 +83,8 @@ class GradwireState:
         self._tuned = -1  # the step whose warm-up compressor the strategy holds
         self.compressor = str(c)
         self.strategy_name = strategy
-        powersgd = strategy == "powersgd" or (strategy == "hierarchical" and strategy_options.get("inner") == "powersgd")
+        powersgd = strategy == "powersgd" or (strategy in ("hierarchical", "auto")
+                                              and strategy_options.get("inner") == "powersgd")
         if powersgd and error_feedback == "auto":
             error_feedback = True  # PowerSGD's own error feedback, on by default as in torch's powerSGD_hook
         self.error_feedback = resolve_error_feedback(error_feedback, c)
@@ -106,6 +107,7 @@ class GradwireState:
         self._in_flight: list[torch.futures.Future] = []  # this step's bucket results so far
         self._param_names: dict[int, str] = {}
         self._param_sizes: list[int] | None = None
+        self._param_shapes: list[torch.Size] | None = None
         if model is not None:
             self.attach(model)
 
@@ -115,6 +117,7 @@ class GradwireState:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._param_names = {id(p): n for n, p in named}
         self._param_sizes = [p.numel() for _, p in named]
+        self._param_shapes = [p.shape for _, p in named]
 
     def keys_of(self, bucket: dist.GradBucket) -> list[str] | None:
         """Stable names of the bucket's parameters, or None when no model is attached."""
@@ -156,6 +159,7 @@ class GradwireState:
             self._dense = DenseAllreduce(backend)
             if hasattr(self._strategy, "plan_sizes"):
                 self._strategy.plan_sizes = self._param_sizes
+                self._strategy.plan_shapes = self._param_shapes
             if self._pending_state is not None:
                 self._strategy.load_state_dict(self._pending_state)
                 self._pending_state = None
@@ -228,6 +232,7 @@ class GradwireState:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
+        self.__dict__.setdefault("_param_shapes", None)  # (states pickled before auto's low-rank candidates)
         self.process_group = None  # set it again if a non-default group is used
         self._strategy = None
         self._dense = None
