@@ -1,5 +1,7 @@
 """The `auto` strategy's cost model and choices, on real 2-rank gloo groups."""
 
+import time
+
 import torch
 
 from gradwire import Ctx
@@ -103,6 +105,8 @@ def _trial(rank: int, world: int) -> dict:
     choices, outs = [], []
     for step in range(2 * len(order) + 2):  # an untimed round, then one timed turn each
         auto.take_stats()  # (so the last step's record is the last step's alone)
+        if step == len(order) and rank == 0:
+            time.sleep(0.5)  # busy with its own work (an evaluation) before a timed turn: not the exchange's cost
         for key, n in ((0, 1 << 12), (1, 1 << 14)):  # two buckets a step, each timed and chosen for
             x = torch.randn(n, generator=torch.Generator().manual_seed(10 * step + rank))
             outs.append(auto.exchange(x, key, Ctx(rank=rank, step=step), average=True).wait())
@@ -121,7 +125,7 @@ def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
     assert "dense" in a["order"] and len(a["order"]) >= 2
     assert a["choices"][:n] == [None] * n and a["choices"][n] is not None  # chosen at the step after the trial
     assert a["choices"] == b["choices"] and a["measured"] == b["measured"]
-    assert set(a["measured"]) == set(a["order"]) and all(t > 0 for t in a["measured"].values())
+    assert set(a["measured"]) == set(a["order"]) and all(0 < t < 0.2 for t in a["measured"].values())
     assert a["choices"][n] == prefer(a["measured"], margin=TRIAL_MARGIN)
     # each bucket has its own times and choice; the overall times are their sums
     assert set(a["per_bucket"]) == set(a["bucket_choices"]) == {"0", "1"}
