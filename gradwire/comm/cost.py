@@ -283,7 +283,7 @@ class Auto(Strategy):
     def _predict_lowrank(self, sizes: list[int], item: int, shapes: list[torch.Size] | None) -> dict[str, float]:
         """PowerSGD's candidates: its allreduces of the dense part, of P and of Q (three
         messages), flat or between nodes on a node's share. Unknown shapes: 0 (trust the user)."""
-        from .powersgd import _layout
+        from .powersgd import sent_numels
 
         world, m, numel = self.backend.world_size, self.model, sum(sizes)
         times = {"dense": m.allreduce(numel * item, world), "powersgd": 0.0}
@@ -293,8 +293,7 @@ class Auto(Strategy):
         if shapes is None or sum(math.prod(s) for s in shapes) != numel:
             return times
         rank, rate = int(self.lowrank.get("rank", 1)), float(self.lowrank.get("min_compression_rate", 2.0))
-        plan = _layout(numel, list(shapes), [str(i) for i in range(len(shapes))], rank, rate)
-        parts = [n * item for n in (plan.dense_numel, plan.p_numel, plan.q_numel) if n]
+        parts = [n * item for n in sent_numels(shapes, rank, rate) if n]
         times["powersgd"] = sum(m.allreduce(n, world) for n in parts)
         if self.intra_model is not None:
             g = self.subs["hierarchical"].intra.world_size  # type: ignore[attr-defined]

@@ -39,6 +39,7 @@ Deliberate differences from torch's hook, none of which changes a finite, nonzer
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,14 @@ def _layout(numel: int, shapes: list, keys: list[str], rank: int, min_rate: floa
     mats = tuple(entry for group in groups.values() for entry in group)
     return _Layout(tuple(str(k) for k in keys), tuple(sizes), tuple(dense), sum(c for _, c in dense), mats,
                    sum(t.n * t.r for t in mats), sum(t.m * t.r for t in mats))
+
+
+def sent_numels(shapes: list, rank: int, min_rate: float = 2.0) -> tuple[int, int, int]:
+    """Elements PowerSGD allreduces for tensors of these shapes: (dense part, P, Q), one
+    allreduce each; what `auto` models its candidates' wire time from."""
+    numel = sum(math.prod(int(d) for d in s) for s in shapes)
+    plan = _layout(numel, list(shapes), [str(i) for i in range(len(shapes))], rank, min_rate)
+    return plan.dense_numel, plan.p_numel, plan.q_numel
 
 
 def _views(flat: torch.Tensor, dims: list[tuple[int, int]]) -> list[torch.Tensor]:
