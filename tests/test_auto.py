@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 
 from gradwire import Ctx
@@ -184,8 +185,6 @@ def test_auto_with_lowrank_candidates_weighs_powersgd_flat_and_between_nodes():
 
 
 def test_auto_lowrank_options_are_checked():
-    import pytest
-
     from gradwire.comm.registry import make_strategy
 
     with pytest.raises(ValueError, match="'powersgd', got 'allgather'"):

@@ -220,8 +220,7 @@ class Auto(Strategy):
         if self.lowrank is not None:
             from .powersgd import PowerSGD
 
-            self.subs["powersgd"] = PowerSGD(backend, error_feedback, **self.lowrank)
-            self.gamma = (0.0, 0.0)  # (not modelled: the trial measures it)
+            self.subs["powersgd"] = PowerSGD(backend, error_feedback, **self.lowrank)  # (its compute: the trial)
         else:
             self.subs["allgather"] = Allgather(backend, c, error_feedback, min_numel)
         if c.name == "topk":
