@@ -101,7 +101,8 @@ def test_auto_on_two_nodes_weighs_hierarchical_and_bf16_and_agrees_across_ranks(
 
 def _trial(rank: int, world: int) -> dict:
     backend = TorchDistBackend()
-    auto = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9, trials=1)
+    auto = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9, trials=1,
+                settle=0)
     order = auto.candidates([1 << 12], torch.float32)
     choices, outs = [], []
     for step in range(2 * len(order) + 2):  # an untimed round, then one timed turn each
@@ -141,6 +142,42 @@ def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
         assert torch.equal(x, y)
 
 
+def _settle(rank: int, world: int, close: float) -> dict:
+    import gradwire.comm.cost as cost
+
+    cost.TRIAL_CLOSE = close  # how near the fastest a candidate must be to be timed again
+    backend = TorchDistBackend()
+    auto = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9, trials=1,
+                settle=2)
+    order = auto.candidates([1 << 14], torch.float32)
+    choices, measured, outs = [], [], []
+    for step in range(2 * len(order) + 2 * len(order) + 1):  # at most: untimed, timed, 2 settling rounds
+        x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(10 * step + rank))
+        outs.append(auto.exchange(x, 0, Ctx(rank=rank, step=step), average=True).wait())
+        choices.append(auto.choice)
+        measured.append(dict(auto.measured))
+    return {"order": order, "choices": choices, "measured": measured, "turns": dict(auto._turns), "outs": outs}
+
+
+@pytest.mark.parametrize("close", [10.0, 0.0])
+def test_auto_times_near_ties_again_before_choosing(close):
+    """After the first timed turns, the candidates within TRIAL_CLOSE of the fastest take
+    `settle` more timed turns each, and only then do the ranks choose, from all their turns; with
+    no near-tie, the choice comes at once. Both ranks see the same times and choices."""
+    a, b = run_ranks(_settle, 2, close)
+    n = 2 * len(a["order"])
+    first = a["measured"][n]  # after the first timed round: the times that pick the near-ties
+    near = [c for c in a["order"] if first[c] <= (1 + close) * min(first.values())]
+    assert (len(near) > 1) == (close > 0)  # every candidate is near with 10.0; none but the fastest with 0
+    settled = n + 2 * len(near) if len(near) > 1 else n
+    assert a["choices"][:settled] == [None] * settled and a["choices"][settled] is not None
+    assert a["turns"] == {c: 1 + (2 if c in near and len(near) > 1 else 0) for c in a["order"]}
+    assert a["choices"][settled] == prefer(a["measured"][settled], margin=TRIAL_MARGIN)
+    assert a["choices"] == b["choices"] and a["measured"] == b["measured"] and a["turns"] == b["turns"]
+    for x, y in zip(a["outs"], b["outs"]):
+        assert torch.equal(x, y)
+
+
 def _lowrank(rank: int, world: int) -> dict:
     backend = TorchDistBackend()
     shapes = [torch.Size([256, 128]), torch.Size([128])]
@@ -148,7 +185,7 @@ def _lowrank(rank: int, world: int) -> dict:
     common = dict(inner="powersgd", rank=2, ranks_per_node=2, trials=0)
     slow_between = Auto(backend, "none", alpha=1e-4, beta=1e-7, intra_alpha=1e-6, intra_beta=1e-11, **common)
     fast = Auto(backend, "none", alpha=1e-6, beta=1e-12, intra_alpha=1e-6, intra_beta=1e-12, **common)
-    trial = Auto(backend, "none", inner="powersgd", rank=2, ranks_per_node=2, trials=1)
+    trial = Auto(backend, "none", inner="powersgd", rank=2, ranks_per_node=2, trials=1, settle=0)
     gen = torch.Generator().manual_seed(rank)
     outs, choices = [], []
     order = trial.candidates(sizes, torch.float32, shapes)
@@ -160,7 +197,8 @@ def _lowrank(rank: int, world: int) -> dict:
     out = {"slow": slow_between.predict(sizes, torch.float32, shapes),
            "slow_choice": slow_between.choose(sizes, torch.float32, shapes),
            "fast_choice": fast.choose(sizes, torch.float32, shapes), "unknown": fast.predict(sizes, torch.float32),
-           "order": order, "trial_order": trial._trial[1], "measured": trial.measured, "choices": choices, "outs": outs}
+           "order": order, "trial_order": trial._trial.order, "measured": trial.measured, "choices": choices,
+           "outs": outs, "probed": trial._model is not None}
     torch.distributed.barrier()  # the sub-groups outlive every pending callback
     return out
 
@@ -176,6 +214,8 @@ def test_auto_with_lowrank_candidates_weighs_powersgd_flat_and_between_nodes():
     assert a["slow_choice"] == "hierarchical" and a["fast_choice"] in ("dense", "bf16")
     assert a["unknown"]["powersgd"] == 0.0  # no shapes: trusted, so the trial measures it
     assert {"bf16", "dense", "powersgd"} <= set(a["order"]) and a["trial_order"] == a["order"]
+    assert a["order"] == ["dense", "powersgd", "hierarchical", "bf16"]  # all of them: nothing to shortlist,
+    assert not a["probed"]  # so the links were never probed (unless asked: predict, below)
     n = 2 * len(a["order"])
     assert set(a["measured"]) == set(a["order"]) and all(t > 0 for t in a["measured"].values())
     assert a["choices"][:n] == [None] * n and a["choices"][n] == prefer(a["measured"], margin=TRIAL_MARGIN)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -255,4 +256,38 @@ def test_auto_with_lowrank_candidates_trains_in_the_hook_and_ranks_agree():
     assert sum(a["losses"][-5:]) < 0.5 * sum(a["losses"][:5])
     for r in results[1:]:
         assert (r["choice"], r["choices"]) == (a["choice"], a["choices"])
+        assert all(torch.equal(x, y) for x, y in zip(r["params"], a["params"]))
+
+
+def _auto_warmup(rank: int, world: int) -> dict:
+    options = {"strategy": "auto", "inner": "powersgd", "rank": 2, "ranks_per_node": 2, "trials": 1,
+               "start_iter": 14}
+    model, _, state, losses = train(rank, "none", 20, options)
+    warm = state.strategy.warmup_strategy
+    out = {"params": params(model), "losses": losses, "buckets": [h["buckets"] for h in state.history],
+           "warm_choices": warm.choices, "warm_times": warm.measured_per_bucket}
+    dist.barrier()  # the hierarchical candidate's sub-groups outlive every pending callback
+    return out
+
+
+def test_auto_spends_its_dense_first_steps_on_the_faster_of_dense_and_bf16():
+    """auto on two nodes: the hook's uncompressed steps after the second go to dense and bf16 in
+    turns (an untimed round, 4 timed), then each bucket keeps the faster until compression
+    starts; all ranks choose alike and keep bit-identical replicas."""
+    results = run_ranks(_auto_warmup, 4, timeout=300)
+    a = results[0]
+    names = {"dense": "dense", "bf16": "allreduce"}  # (bf16 is recorded under its strategy's name)
+    assert [set(b.values()) for b in a["buckets"][:2]] == [{"dense"}, {"dense"}]  # DDP settles its buckets
+    for step in range(2, 12):  # the turns: dense, bf16, dense, ...
+        assert set(a["buckets"][step].values()) == {names[("dense", "bf16")[step % 2]]}, step
+    assert set(a["warm_choices"]) == set(a["buckets"][12]) and len(a["warm_choices"]) > 1
+    for step in (12, 13):  # each bucket's own pick, from the mean of the ranks' times
+        for bucket, choice in a["warm_choices"].items():
+            assert a["buckets"][step][bucket] == names[choice]
+    for bucket, times in a["warm_times"].items():
+        assert all(t > 0 for t in times.values())
+        assert a["warm_choices"][bucket] == ("bf16" if times["bf16"] * 1.03 < times["dense"] else "dense")
+    assert all(math.isfinite(x) for x in a["losses"])
+    for r in results[1:]:
+        assert (r["warm_choices"], r["warm_times"]) == (a["warm_choices"], a["warm_times"])
         assert all(torch.equal(x, y) for x, y in zip(r["params"], a["params"]))

@@ -25,7 +25,8 @@ import torch
 from ..compress import Compressor, Ctx
 from .backend import Backend, Work
 from .hierarchical import Hierarchical, launcher_ranks_per_node
-from .strategies import Allgather, Allreduce, DenseAllreduce, ExchangeStats, Strategy, segments_of
+from .strategies import Allgather, Allreduce, DenseAllreduce, ExchangeStats, Strategy, segments_of, take_stats_of
+from .uncompressed import FasterUncompressed
 
 log = logging.getLogger("gradwire")
 
@@ -48,6 +49,20 @@ class CostModel:
     def alltoall(self, nbytes_out: int, world: int) -> float:
         """Pairwise exchange: one message to each peer, nbytes_out in all, after a size exchange."""
         return 2 * (world - 1) * self.alpha + (nbytes_out + 16 * (world - 1)) * self.beta
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """A part of auto's trial: from step `first`, `order` takes turns, `untimed` rounds then
+    `timed` rounds."""
+    first: int
+    order: list[str]
+    untimed: int
+    timed: int
+
+    @property
+    def steps(self) -> int:
+        return (self.untimed + self.timed) * len(self.order)
 
 
 def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5,
@@ -158,9 +173,12 @@ class Auto(Strategy):
     mean of their times, within `TRIAL_MARGIN`, for each bucket (`choices`; `choice`, from the
     buckets' summed times, serves a bucket the trial did not see, such as a resumed DDP's first
     grouping): a bucket of small tensors may stay dense while a large one is compressed. The
-    candidates take turns, one step each: a
-    first step pays for connections, allocations and compiling, and drift over the trial then
-    hits all alike. Why measure: the model misses what compression costs besides the wire
+    candidates take turns, one step each: a first step pays for connections, allocations and
+    compiling, and drift over the trial then hits all alike. Candidates within `TRIAL_CLOSE` of
+    the fastest (each bucket's fastest, summed) are then timed `settle` more turns each (default
+    3 x trials): two timed turns of 5-13 ms exchanges could not tell bf16 from dense (charlm at
+    1 Gbit/s, 2026-12-01), and the extra turns cost little, every candidate in them being about
+    as fast as the best. Why measure: the model misses what compression costs besides the wire
     (per-tensor overheads, ranks sharing cores: at 1 Gbit/s on 4 ranks of 2 cores it modelled
     top-k allgather at 1.9 ms against dense's 10.3 ms; measured, the step was 28 ms against
     16). Error feedback of the candidates not chosen is dropped with them (N + 1 steps of
@@ -170,7 +188,13 @@ class Auto(Strategy):
     candidates low-rank: PowerSGD's own allreduce and, on several nodes, `hierarchical` with
     PowerSGD between nodes, beside dense and bf16 (the compressor is then `none`). Its wire
     bytes are modelled from the matrices' shapes (`plan_shapes`, set by the DDP hook, or the
-    first bucket's); its compute is not modelled, so on a fast link the trial is what rejects it."""
+    first bucket's); its compute is not modelled, so on a fast link the trial is what rejects it.
+    With a trial the model would shortlist every low-rank candidate anyway, so the links are
+    not probed (1.1 s of three probes in the first step of a 13 s run at 1 Gbit/s); they are
+    measured only if `predict` is asked, by every rank at once.
+
+    On several nodes, the DDP hook's uncompressed first steps (`start_iter`) go to
+    `warmup_strategy`: dense or bf16, whichever is faster per bucket, timed in turns."""
 
     name = "auto"
 
@@ -178,8 +202,8 @@ class Auto(Strategy):
                  alpha: float | None = None, beta: float | None = None,
                  gamma_encode: float | None = None, gamma_decode: float | None = None, min_numel: int = 0,
                  ranks_per_node: int | None = None, intra_alpha: float | None = None,
-                 intra_beta: float | None = None, trials: int = 2, inner: str | None = None,
-                 **inner_options: Any) -> None:
+                 intra_beta: float | None = None, trials: int = 2, settle: int | None = None,
+                 inner: str | None = None, **inner_options: Any) -> None:
         super().__init__(backend, compressor, error_feedback=False, min_numel=min_numel)
         if inner not in (None, "powersgd"):
             raise ValueError(f"auto's inner= chooses low-rank candidates: 'powersgd', got {inner!r}")
@@ -201,21 +225,25 @@ class Auto(Strategy):
         if int(trials) < 0:
             raise ValueError(f"trials must be >= 0, got {trials}")
         self.trials = int(trials)  # steps each candidate is timed for before choosing (0: the model alone)
+        if settle is not None and int(settle) < 0:
+            raise ValueError(f"settle must be >= 0, got {settle}")
+        self.settle = 3 * self.trials if settle is None else int(settle)  # more turns for near-ties
         self.measured: dict[str, float] = {}  # candidate -> mean seconds of its trial steps, over ranks
         self.measured_per_bucket: dict[str, dict[str, float]] = {}  # the same for each bucket
         self.choices: dict[str, str] = {}  # bucket key -> its measured choice (else `choice`)
-        self._trial: tuple[int, list[str]] | None = None  # (first step, candidates in trial order)
-        self._spent: dict[str, dict[str, float]] = {}  # bucket key -> candidate -> seconds
+        self._trial: _Phase | None = None  # the trial's current phase
+        self._spent: dict[str, dict[str, float]] = {}  # this phase: bucket key -> candidate -> seconds
+        self._agreed: dict[str, dict[str, float]] = {}  # earlier phases: the same, averaged over ranks
+        self._turns: dict[str, int] = {}  # candidate -> timed turns in earlier phases
         if c.summable and self.lowrank is None:
             self.subs: dict[str, Strategy] = {"allreduce": Allreduce(backend, c, error_feedback)}
             self.choice = "allreduce"  # nothing to measure
             return
-        self.model = CostModel(alpha, beta) if alpha is not None else measure(backend)  # type: ignore[arg-type]
+        given = CostModel(alpha, beta) if alpha is not None else None  # type: ignore[arg-type]
+        self._model: CostModel | None = given
         # encode/decode seconds per element: given, or measured at the first exchange on the real sizes
         self.gamma: tuple[float, float] | None = (gamma_encode, gamma_decode) if gamma_encode is not None else None
         self._feedback = error_feedback
-        log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s)", self.model.alpha, self.model.beta,
-                 1e-9 / self.model.beta)
         self.subs = {"dense": DenseAllreduce(backend)}
         if self.lowrank is not None:
             from .powersgd import PowerSGD
@@ -228,21 +256,59 @@ class Auto(Strategy):
 
             self.subs["oktopk"] = OkTopK(backend, c, error_feedback)  # (not artopk: one rank's positions
             # for everyone lost 11 points on mnist1d at 100 Mbit/s, 84.1% vs allgather's 95.3%)
-        self.intra_model: CostModel | None = None
+        self.nodes: Hierarchical | None = None  # on several nodes of several ranks: their links
+        self._intra_model: CostModel | None = None
+        if intra_alpha is not None:
+            self._intra_model = CostModel(intra_alpha, intra_beta)  # type: ignore[arg-type]
+        self._inter_model: CostModel | None = given
         per_node = ranks_per_node or launcher_ranks_per_node()
-        if per_node is not None and 1 < per_node < backend.world_size:  # several nodes of several ranks
+        if per_node is not None and 1 < per_node < backend.world_size:
             between = {"inner": "powersgd", **self.lowrank} if self.lowrank is not None else {"min_numel": min_numel}
-            h = Hierarchical(backend, c, error_feedback, ranks_per_node=per_node, **between)
-            self.subs["hierarchical"] = h
+            self.nodes = Hierarchical(backend, c, error_feedback, ranks_per_node=per_node, **between)
+            self.subs["hierarchical"] = self.nodes
             self.subs["bf16"] = Allreduce(backend, "bf16", error_feedback=False)  # the cheap dense baseline
-            if intra_alpha is not None:
-                self.intra_model = CostModel(intra_alpha, intra_beta)  # type: ignore[arg-type]
-            else:  # each node measures its own links; all ranks then hold the average
-                self.intra_model = _agreed(backend, measure(h.intra))
-            self.inter_model = CostModel(alpha, beta) if alpha is not None else _agreed(backend, measure(h.inter))
-            log.info("gradwire auto: %d nodes x %d ranks; intra alpha=%.3g beta=%.3g, inter alpha=%.3g beta=%.3g",
-                     backend.world_size // per_node, per_node, self.intra_model.alpha, self.intra_model.beta,
-                     self.inter_model.alpha, self.inter_model.beta)
+            self.warmup_strategy = FasterUncompressed(self.subs["dense"], self.subs["bf16"], margin=TRIAL_MARGIN)
+        if self.lowrank is None or not self.trials:
+            self._measure_links()  # (the low-rank trial runs every candidate: nothing to shortlist)
+
+    def _measure_links(self) -> None:
+        """The cost models not given: the flat links, and on several nodes the links inside a node
+        (each node measures its own; all ranks hold the average) and between nodes. A collective:
+        every rank calls it at the same point."""
+        if self._model is None:
+            self._model = measure(self.backend)
+        log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s)", self._model.alpha, self._model.beta,
+                 1e-9 / self._model.beta)
+        if self.nodes is None:
+            return
+        if self._intra_model is None:
+            self._intra_model = _agreed(self.backend, measure(self.nodes.intra))
+        if self._inter_model is None:
+            self._inter_model = _agreed(self.backend, measure(self.nodes.inter))
+        log.info("gradwire auto: %d nodes x %d ranks; intra alpha=%.3g beta=%.3g, inter alpha=%.3g beta=%.3g",
+                 self.backend.world_size // self.nodes.intra.world_size, self.nodes.intra.world_size,
+                 self._intra_model.alpha, self._intra_model.beta, self._inter_model.alpha, self._inter_model.beta)
+
+    @property
+    def model(self) -> CostModel:
+        """The flat links' cost model (measured now if it was not: a collective)."""
+        if self._model is None:
+            self._measure_links()
+        return self._model  # type: ignore[return-value]
+
+    @property
+    def intra_model(self) -> CostModel | None:
+        """The links inside a node (None on one node, or with one rank per node)."""
+        if self.nodes is not None and self._intra_model is None:
+            self._measure_links()
+        return self._intra_model if self.nodes is not None else None
+
+    @property
+    def inter_model(self) -> CostModel | None:
+        """The links between nodes (None on one node, or with one rank per node)."""
+        if self.nodes is not None and self._inter_model is None:
+            self._measure_links()
+        return self._inter_model if self.nodes is not None else None
 
     def predict(self, sizes: list[int], dtype: torch.dtype,
                 shapes: list[torch.Size] | None = None) -> dict[str, float]:
@@ -271,7 +337,7 @@ class Auto(Strategy):
             k = sum(self.compressor.value_count(n) for n in sizes)  # type: ignore[attr-defined]
             times["oktopk"] = oktopk_seconds(m, k, item, world) + numel * (enc + dec)
         if self.intra_model is not None:  # dense inside a node; only a node's share crosses the slow links
-            g = self.subs["hierarchical"].intra.world_size  # type: ignore[attr-defined]
+            g = self.nodes.intra.world_size  # type: ignore[union-attr]
             nodes, intra = world // g, self.intra_model
             times["bf16"] = m.allreduce(numel * 2, world)  # the cast itself is taken as free
             times["hierarchical"] = (intra.alltoall(dense * (g - 1) // g, g) + intra.allgather(dense // g, g)
@@ -295,9 +361,10 @@ class Auto(Strategy):
         parts = [n * item for n in sent_numels(shapes, rank, rate) if n]
         times["powersgd"] = sum(m.allreduce(n, world) for n in parts)
         if self.intra_model is not None:
-            g = self.subs["hierarchical"].intra.world_size  # type: ignore[attr-defined]
+            g = self.nodes.intra.world_size  # type: ignore[union-attr]
             nodes, intra = world // g, self.intra_model
-            times["hierarchical"] = (intra.alltoall(numel * item * (g - 1) // g, g) + intra.allgather(numel * item // g, g)
+            times["hierarchical"] = (intra.alltoall(numel * item * (g - 1) // g, g)
+                                     + intra.allgather(numel * item // g, g)
                                      + sum(self.inter_model.allreduce(n // g, nodes) for n in parts))
         return times
 
@@ -306,6 +373,8 @@ class Auto(Strategy):
         """What the timed trial runs: dense and bf16 always (the model misses what compression
         costs beside the wire on a busy host), and every other candidate the model puts within
         3x of its fastest, fastest first."""
+        if self.lowrank is not None and self._model is None:  # none would be left out: all, not probed
+            return list(self.subs)
         times = self.predict(self.plan_sizes or sizes, dtype, self.plan_shapes or shapes)
         best = min(times.values())
         keep = [n for n in sorted(times, key=lambda n: times[n])
@@ -316,39 +385,59 @@ class Auto(Strategy):
                         shapes: list[torch.Size] | None, keys: list[str] | None,
                         sizes: list[int]) -> Work[torch.Tensor] | None:
         """During the trial, exchange with this step's candidate (in turns) and time it
-        (synchronously); at the first step after it, agree on the times (mean over ranks, one
-        allreduce that every rank reaches at the same bucket) and choose by `prefer`. None
-        once chosen."""
+        (synchronously). At the first step after a phase, agree on its times (mean over ranks, one
+        allreduce that every rank reaches at the same bucket); then time the near-ties again
+        (`settle`), or choose by `prefer`. None once chosen."""
         if self._trial is None:
-            self._trial = (ctx.step, self.candidates(sizes, x.dtype, shapes))
-        first, order = self._trial
-        turn = ctx.step - first
-        if turn < (self.trials + 1) * len(order):  # round 0 untimed, then `trials` timed rounds
-            name = order[turn % len(order)]
+            self._trial = _Phase(ctx.step, self.candidates(sizes, x.dtype, shapes), untimed=1, timed=self.trials)
+        phase = self._trial
+        turn = ctx.step - phase.first
+        if turn < phase.steps:
+            name = phase.order[turn % len(phase.order)]
             sub = self.subs[name]
             sub.into_input = self.into_input
-            if turn >= len(order):  # start together: waiting for a rank busy with its own work (an
-                self.backend.allreduce(torch.zeros(1)).wait()  # evaluation on rank 0) is not the exchange's cost
+            timed = turn >= phase.untimed * len(phase.order)
+            if timed:  # start together: waiting for a rank busy with its own work (an evaluation on
+                self.backend.allreduce(torch.zeros(1)).wait()  # rank 0) is not the exchange's cost
             began = time.perf_counter()
             out = sub.exchange(x, key, ctx, average, shapes, keys).wait()
-            if turn >= len(order):
+            if timed:
                 spent = self._spent.setdefault(str(key), {})  # (buckets in the order first seen, alike on all ranks)
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
             return Work.done(out)
-        buckets = list(self._spent)
-        spent = torch.tensor([[self._spent[b].get(n, 0.0) / self.trials for n in order] for b in buckets],
-                             dtype=torch.float64).reshape(len(buckets), len(order))
-        self.backend.allreduce(spent).wait()
-        spent /= self.backend.world_size
-        self.measured = dict(zip(order, spent.sum(0).tolist()))
-        self.measured_per_bucket = {b: dict(zip(order, row)) for b, row in zip(buckets, spent.tolist())}
+        self._agree(phase)
+        mix = sum(min(t.values()) for t in self.measured_per_bucket.values())  # each bucket's fastest
+        close = [n for n in phase.order if self.measured[n] <= (1 + TRIAL_CLOSE) * mix]
+        if phase.untimed and self.settle and len(close) > 1:
+            self._trial = _Phase(ctx.step, close, untimed=0, timed=self.settle)
+            return self._timed_exchange(x, key, ctx, average, shapes, keys, sizes)
         self.choice = prefer(self.measured, margin=TRIAL_MARGIN)
         self.choices = {b: prefer(t, margin=TRIAL_MARGIN) for b, t in self.measured_per_bucket.items()}
-        log.info("gradwire auto: %s after a timed trial of %d turns each: %s; per bucket: %s", self.choice,
-                 self.trials, ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()),
+        log.info("gradwire auto: %s after a timed trial (turns: %s): %s; per bucket: %s", self.choice,
+                 ", ".join(f"{n} {c}" for n, c in self._turns.items()),
+                 ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()),
                  "; ".join(f"{b}: {self.choices[b]} ({', '.join(f'{n} {t * 1e3:.3f}' for n, t in m.items())})"
                            for b, m in self.measured_per_bucket.items()))
         return None
+
+    def _agree(self, phase: "_Phase") -> None:
+        """Fold the phase's times, averaged over ranks, into `measured` and `measured_per_bucket`:
+        each candidate's mean seconds per timed turn over all phases so far."""
+        buckets = list(self._spent)
+        spent = torch.tensor([[self._spent[b].get(n, 0.0) for n in phase.order] for b in buckets],
+                             dtype=torch.float64).reshape(len(buckets), len(phase.order))
+        self.backend.allreduce(spent).wait()
+        spent /= self.backend.world_size
+        for b, row in zip(buckets, spent.tolist()):
+            agreed = self._agreed.setdefault(b, {})
+            for n, t in zip(phase.order, row):
+                agreed[n] = agreed.get(n, 0.0) + t
+        for n in phase.order:
+            self._turns[n] = self._turns.get(n, 0) + phase.timed
+        self._spent = {}
+        self.measured_per_bucket = {b: {n: t / self._turns[n] for n, t in agreed.items()}
+                                    for b, agreed in self._agreed.items()}
+        self.measured = {n: sum(t[n] for t in self.measured_per_bucket.values()) for n in self._turns}
 
     def choose(self, sizes: list[int], dtype: torch.dtype, shapes: list[torch.Size] | None = None) -> str:
         if self.choice is None:
@@ -372,10 +461,7 @@ class Auto(Strategy):
         return sub.exchange(x, key, ctx, average, shapes, keys)
 
     def take_stats(self) -> ExchangeStats:
-        stats = ExchangeStats()
-        for sub in self.subs.values():
-            stats = stats.merge(sub.take_stats())
-        return stats
+        return take_stats_of(self.subs.values())
 
     def state_dict(self) -> dict[str, Any]:
         return {"choice": self.choice, "choices": dict(self.choices),  # (a resumed run keeps its choices;
@@ -398,6 +484,9 @@ MARGIN = 0.10  # a candidate this much slower than the fastest, by the model, st
 #: a margin is also what auto may lose to the fastest (charlm at 1 Gbit/s, 2026-12-01: bf16
 #: was 11% faster than dense, which the model's 10% still called a tie).
 TRIAL_MARGIN = 0.03
+#: After the first timed turns, candidates whose step is this close to the fastest per-bucket mix
+#: are timed again (so a further turn costs at most this much more than the best).
+TRIAL_CLOSE = 0.25
 APPROXIMATE_GAIN = 4.0  # oktopk/artopk must be this many times faster than the others
 
 

@@ -42,7 +42,7 @@ def _oktopk(backend: Backend, c: Compressor, error_feedback: bool, **options: An
 # name -> (factory(backend, compressor, error_feedback, **options), accepted options; None: the class checks)
 _STRATEGIES: dict[str, tuple[Callable[..., Strategy], frozenset[str] | None]] = {
     "auto": (_auto, frozenset({"alpha", "beta", "gamma_encode", "gamma_decode", "min_numel", "ranks_per_node", "trials",
-                               "intra_alpha", "intra_beta", "inner", *POWERSGD_OPTIONS})),
+                               "settle", "intra_alpha", "intra_beta", "inner", *POWERSGD_OPTIONS})),
     "allreduce": (lambda b, c, ef: Allreduce(b, c, ef), frozenset()),
     "allgather": (lambda b, c, ef, **o: Allgather(b, c, ef, **o), frozenset({"min_numel"})),
     "artopk": (lambda b, c, ef: ARTopK(b, c, ef), frozenset()),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -65,6 +65,14 @@ class ExchangeStats:
                 "inter_bytes_received": self.bytes_received - self.intra_bytes_received}
 
 
+def take_stats_of(strategies: Iterable["Strategy"]) -> ExchangeStats:
+    """The merged step statistics of several strategies (each starts a fresh record)."""
+    stats = ExchangeStats()
+    for s in strategies:
+        stats = stats.merge(s.take_stats())
+    return stats
+
+
 @dataclass(frozen=True)
 class Segment:
     """One tensor inside a bucket: a stable key and where it lies."""
@@ -104,6 +112,8 @@ class Strategy:
     """Base: holds the backend, compressor, optional error feedback and stats."""
 
     name = "strategy"
+    #: what the DDP hook's uncompressed first steps use instead of a plain allreduce (None: that)
+    warmup_strategy: "Strategy | None" = None
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
                  min_numel: int = 0) -> None:

@@ -9,7 +9,9 @@ randomk, qsgd, terngrad); see `Compressor.feedback_helps`. Compression starts at
 by default at once when no per-parameter state is kept (so `register(ddp, "fp16")` is torch's
 `fp16_compress_hook` bit for bit, and `"none"` DDP's own allreduce), else after two dense
 iterations (DDP rebuilds its buckets after the first, so per-parameter state is keyed reliably
-only from the second). `warmup=N` (sparsifiers with `ratio=`, on the allgather, allreduce and
+only from the second). Those uncompressed steps are dense allreduces, except with `auto` on
+several nodes: from the third it takes dense or bf16, whichever it measures faster per bucket
+(`Strategy.warmup_strategy`). `warmup=N` (sparsifiers with `ratio=`, on the allgather, allreduce and
 hierarchical strategies) is DGC's density warm-up: the first N compressed steps keep a ratio decaying
 exponentially from `warmup_ratio` (25%) to the compressor's own (`last_stats["density"]`).
 `precondition="adam"` moves Adam before the exchange (hooks/precondition.py: each rank sends
@@ -156,6 +158,8 @@ class GradwireState:
             self._strategy = make_strategy(self.strategy_name, backend, self.compressor,
                                            error_feedback=self.error_feedback, **options)
             self._strategy.into_input = True  # the bucket buffer may hold the result, as in torch's hooks
+            if self._strategy.warmup_strategy is not None:
+                self._strategy.warmup_strategy.into_input = True
             self._dense = DenseAllreduce(backend)
             if hasattr(self._strategy, "plan_sizes"):
                 self._strategy.plan_sizes = self._param_sizes
@@ -255,8 +259,12 @@ def gradwire_hook(state: GradwireState, bucket: dist.GradBucket) -> torch.future
                              "or GradwireState(..., model=ddp)")
         for seg in segments_of(buffer, key, [p.shape for p in bucket.parameters()], keys):
             state.preconditioner.apply_(seg.of(buffer), seg.key)
-    if state.iter < state.start_iter:
+    warmup = state.strategy.warmup_strategy
+    if state.iter < state.start_iter and (warmup is None or state.iter < 2):  # (buckets settle after 2 steps)
         work: Work[torch.Tensor] = state.dense.exchange(buffer, key, Ctx(), average=True)
+    elif state.iter < state.start_iter:  # the strategy's own choice of uncompressed exchange (auto's)
+        ctx = Ctx(seed=state.seed, step=state.iter, rank=state.backend.rank, key=key)
+        work = warmup.exchange(buffer, key, ctx, average=True)
     else:
         state._tune(state.iter)
         ctx = Ctx(seed=state.seed, step=state.iter, rank=state.backend.rank, key=key)
