@@ -159,7 +159,7 @@ def _settle(rank: int, world: int, close: float) -> dict:
     return {"order": order, "choices": choices, "measured": measured, "turns": dict(auto._turns), "outs": outs}
 
 
-@pytest.mark.parametrize("close", [10.0, 0.0])
+@pytest.mark.parametrize("close", [1e9, 0.0])
 def test_auto_times_near_ties_again_before_choosing(close):
     """After the first timed turns, the candidates within TRIAL_CLOSE of the fastest take
     `settle` more timed turns each, and only then do the ranks choose, from all their turns; with
@@ -168,7 +168,7 @@ def test_auto_times_near_ties_again_before_choosing(close):
     n = 2 * len(a["order"])
     first = a["measured"][n]  # after the first timed round: the times that pick the near-ties
     near = [c for c in a["order"] if first[c] <= (1 + close) * min(first.values())]
-    assert (len(near) > 1) == (close > 0)  # every candidate is near with 10.0; none but the fastest with 0
+    assert (len(near) > 1) == (close > 0)  # every candidate is near with 1e9 (whatever the load); none but the fastest with 0
     settled = n + 2 * len(near) if len(near) > 1 else n
     assert a["choices"][:settled] == [None] * settled and a["choices"][settled] is not None
     assert a["turns"] == {c: 1 + (2 if c in near and len(near) > 1 else 0) for c in a["order"]}
