@@ -156,7 +156,7 @@ def _settle(rank: int, world: int, close: float) -> dict:
         outs.append(auto.exchange(x, 0, Ctx(rank=rank, step=step), average=True).wait())
         choices.append(auto.choice)
         measured.append(dict(auto.measured))
-    return {"order": order, "choices": choices, "measured": measured, "turns": dict(auto._turns), "outs": outs}
+    return {"order": order, "choices": choices, "measured": measured, "turns": dict(auto.trial.turns), "outs": outs}
 
 
 @pytest.mark.parametrize("close", [1e9, 0.0])
@@ -197,7 +197,7 @@ def _lowrank(rank: int, world: int) -> dict:
     out = {"slow": slow_between.predict(sizes, torch.float32, shapes),
            "slow_choice": slow_between.choose(sizes, torch.float32, shapes),
            "fast_choice": fast.choose(sizes, torch.float32, shapes), "unknown": fast.predict(sizes, torch.float32),
-           "order": order, "trial_order": trial._trial.order, "measured": trial.measured, "choices": choices,
+           "order": order, "trial_order": trial.trial.phase.order, "measured": trial.measured, "choices": choices,
            "outs": outs, "probed": trial._model is not None}
     torch.distributed.barrier()  # the sub-groups outlive every pending callback
     return out

@@ -26,6 +26,7 @@ from ..compress import Compressor, Ctx
 from .backend import Backend, Work
 from .hierarchical import Hierarchical, launcher_ranks_per_node
 from .strategies import Allgather, Allreduce, DenseAllreduce, ExchangeStats, Strategy, segments_of, take_stats_of
+from .turns import TimedTurns
 from .uncompressed import FasterUncompressed
 
 log = logging.getLogger("gradwire")
@@ -49,20 +50,6 @@ class CostModel:
     def alltoall(self, nbytes_out: int, world: int) -> float:
         """Pairwise exchange: one message to each peer, nbytes_out in all, after a size exchange."""
         return 2 * (world - 1) * self.alpha + (nbytes_out + 16 * (world - 1)) * self.beta
-
-
-@dataclass(frozen=True)
-class _Phase:
-    """A part of auto's trial: from step `first`, `order` takes turns, `untimed` rounds then
-    `timed` rounds."""
-    first: int
-    order: list[str]
-    untimed: int
-    timed: int
-
-    @property
-    def steps(self) -> int:
-        return (self.untimed + self.timed) * len(self.order)
 
 
 def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5,
@@ -173,7 +160,7 @@ class Auto(Strategy):
     mean of their times, within `TRIAL_MARGIN`, for each bucket (`choices`; `choice`, from the
     buckets' summed times, serves a bucket the trial did not see, such as a resumed DDP's first
     grouping): a bucket of small tensors may stay dense while a large one is compressed. The
-    candidates take turns, one step each: a first step pays for connections, allocations and
+    candidates take turns, one step each (turns.py): a first step pays for connections, allocations and
     compiling, and drift over the trial then hits all alike. Candidates within `TRIAL_CLOSE` of
     the fastest (each bucket's fastest, summed) are then timed `settle` more turns each (default
     3 x trials): two timed turns of 5-13 ms exchanges could not tell bf16 from dense (charlm at
@@ -228,16 +215,11 @@ class Auto(Strategy):
         if settle is not None and int(settle) < 0:
             raise ValueError(f"settle must be >= 0, got {settle}")
         self.settle = 3 * self.trials if settle is None else int(settle)  # more turns for near-ties
-        self.measured: dict[str, float] = {}  # candidate -> mean seconds of its trial steps, over ranks
-        self.measured_per_bucket: dict[str, dict[str, float]] = {}  # the same for each bucket
         self.choices: dict[str, str] = {}  # bucket key -> its measured choice (else `choice`)
-        self._trial: _Phase | None = None  # the trial's current phase
-        self._spent: dict[str, dict[str, float]] = {}  # this phase: bucket key -> candidate -> seconds
-        self._agreed: dict[str, dict[str, float]] = {}  # earlier phases: the same, averaged over ranks
-        self._turns: dict[str, int] = {}  # candidate -> timed turns in earlier phases
         if c.summable and self.lowrank is None:
             self.subs: dict[str, Strategy] = {"allreduce": Allreduce(backend, c, error_feedback)}
             self.choice = "allreduce"  # nothing to measure
+            self.trial = TimedTurns(backend, self.subs)
             return
         given = CostModel(alpha, beta) if alpha is not None else None  # type: ignore[arg-type]
         self._model: CostModel | None = given
@@ -268,6 +250,7 @@ class Auto(Strategy):
             self.subs["hierarchical"] = self.nodes
             self.subs["bf16"] = Allreduce(backend, "bf16", error_feedback=False)  # the cheap dense baseline
             self.warmup_strategy = FasterUncompressed(self.subs["dense"], self.subs["bf16"], margin=TRIAL_MARGIN)
+        self.trial = TimedTurns(backend, self.subs)  # (turns.py)
         if self.lowrank is None or not self.trials:
             self._measure_links()  # (the low-rank trial runs every candidate: nothing to shortlist)
 
@@ -381,63 +364,42 @@ class Auto(Strategy):
                 if n in ("dense", "bf16") or times[n] <= 3 * best]
         return keep
 
+    @property
+    def measured(self) -> dict[str, float]:
+        """Candidate -> mean seconds per timed trial turn, summed over buckets, averaged over ranks."""
+        return self.trial.measured
+
+    @property
+    def measured_per_bucket(self) -> dict[str, dict[str, float]]:
+        return self.trial.measured_per_bucket
+
     def _timed_exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool,
                         shapes: list[torch.Size] | None, keys: list[str] | None,
                         sizes: list[int]) -> Work[torch.Tensor] | None:
-        """During the trial, exchange with this step's candidate (in turns) and time it
-        (synchronously). At the first step after a phase, agree on its times (mean over ranks, one
-        allreduce that every rank reaches at the same bucket); then time the near-ties again
-        (`settle`), or choose by `prefer`. None once chosen."""
-        if self._trial is None:
-            self._trial = _Phase(ctx.step, self.candidates(sizes, x.dtype, shapes), untimed=1, timed=self.trials)
-        phase = self._trial
-        turn = ctx.step - phase.first
-        if turn < phase.steps:
-            name = phase.order[turn % len(phase.order)]
-            sub = self.subs[name]
-            sub.into_input = self.into_input
-            timed = turn >= phase.untimed * len(phase.order)
-            if timed:  # start together: waiting for a rank busy with its own work (an evaluation on
-                self.backend.allreduce(torch.zeros(1)).wait()  # rank 0) is not the exchange's cost
-            began = time.perf_counter()
-            out = sub.exchange(x, key, ctx, average, shapes, keys).wait()
-            if timed:
-                spent = self._spent.setdefault(str(key), {})  # (buckets in the order first seen, alike on all ranks)
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
-            return Work.done(out)
-        self._agree(phase)
+        """During the trial, exchange with this step's candidate (in turns, timed). At the first
+        step after a phase, agree on its times; then time the near-ties again (`settle`), or
+        choose by `prefer`. None once chosen."""
+        trial = self.trial
+        if trial.phase is None:
+            trial.start(ctx.step, self.candidates(sizes, x.dtype, shapes), untimed=1, timed=self.trials)
+        if trial.running(ctx.step):
+            return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
+        trial.agree()
+        phase = trial.phase
+        assert phase is not None
         mix = sum(min(t.values()) for t in self.measured_per_bucket.values())  # each bucket's fastest
         close = [n for n in phase.order if self.measured[n] <= (1 + TRIAL_CLOSE) * mix]
         if phase.untimed and self.settle and len(close) > 1:
-            self._trial = _Phase(ctx.step, close, untimed=0, timed=self.settle)
-            return self._timed_exchange(x, key, ctx, average, shapes, keys, sizes)
+            trial.start(ctx.step, close, untimed=0, timed=self.settle)
+            return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
         self.choice = prefer(self.measured, margin=TRIAL_MARGIN)
         self.choices = {b: prefer(t, margin=TRIAL_MARGIN) for b, t in self.measured_per_bucket.items()}
         log.info("gradwire auto: %s after a timed trial (turns: %s): %s; per bucket: %s", self.choice,
-                 ", ".join(f"{n} {c}" for n, c in self._turns.items()),
+                 ", ".join(f"{n} {c}" for n, c in trial.turns.items()),
                  ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()),
                  "; ".join(f"{b}: {self.choices[b]} ({', '.join(f'{n} {t * 1e3:.3f}' for n, t in m.items())})"
                            for b, m in self.measured_per_bucket.items()))
         return None
-
-    def _agree(self, phase: "_Phase") -> None:
-        """Fold the phase's times, averaged over ranks, into `measured` and `measured_per_bucket`:
-        each candidate's mean seconds per timed turn over all phases so far."""
-        buckets = list(self._spent)
-        spent = torch.tensor([[self._spent[b].get(n, 0.0) for n in phase.order] for b in buckets],
-                             dtype=torch.float64).reshape(len(buckets), len(phase.order))
-        self.backend.allreduce(spent).wait()
-        spent /= self.backend.world_size
-        for b, row in zip(buckets, spent.tolist()):
-            agreed = self._agreed.setdefault(b, {})
-            for n, t in zip(phase.order, row):
-                agreed[n] = agreed.get(n, 0.0) + t
-        for n in phase.order:
-            self._turns[n] = self._turns.get(n, 0) + phase.timed
-        self._spent = {}
-        self.measured_per_bucket = {b: {n: t / self._turns[n] for n, t in agreed.items()}
-                                    for b, agreed in self._agreed.items()}
-        self.measured = {n: sum(t[n] for t in self.measured_per_bucket.values()) for n in self._turns}
 
     def choose(self, sizes: list[int], dtype: torch.dtype, shapes: list[torch.Size] | None = None) -> str:
         if self.choice is None:

@@ -9,7 +9,6 @@ bits of mantissa, which costs no quality there (ppl 8.29 against dense's 8.30).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
@@ -17,16 +16,16 @@ import torch
 from ..compress import Ctx
 from .backend import Work
 from .strategies import ExchangeStats, Strategy, take_stats_of
+from .turns import TimedTurns
 
 
 log = logging.getLogger("gradwire")
 
 
 class FasterUncompressed(Strategy):
-    """Dense and bf16 take turns, one step each: a round untimed (its first steps pay for
-    allocations), then `rounds` timed rounds with the ranks starting each exchange together.
-    The ranks then average their times with one allreduce and every bucket keeps the faster,
-    dense unless bf16 is more than `margin` faster (the same on all ranks)."""
+    """Dense and bf16 take turns (turns.py), one step each: a round untimed, then `rounds` timed
+    rounds. Every bucket then keeps the faster, dense unless bf16 is more than `margin` faster
+    (the same on all ranks)."""
 
     name = "uncompressed"
 
@@ -37,44 +36,26 @@ class FasterUncompressed(Strategy):
         self.subs = {"dense": dense, "bf16": bf16}
         self.rounds, self.margin = int(rounds), float(margin)
         self.choices: dict[str, str] | None = None  # bucket key -> "dense" or "bf16", once measured
-        self.measured_per_bucket: dict[str, dict[str, float]] = {}
-        self._first: int | None = None  # the step of the first turn
-        self._spent: dict[str, dict[str, float]] = {}  # bucket key -> candidate -> seconds (this rank)
+        self.turns = TimedTurns(self.backend, self.subs)
+
+    @property
+    def measured_per_bucket(self) -> dict[str, dict[str, float]]:
+        return self.turns.measured_per_bucket
 
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         if self.choices is None:
-            if self._first is None:
-                self._first = ctx.step
-            turn = ctx.step - self._first
-            if turn < 2 * (1 + self.rounds):
-                return self._turn(("dense", "bf16")[turn % 2], turn >= 2, x, key, ctx, average, shapes, keys)
+            if self.turns.phase is None:
+                self.turns.start(ctx.step, ["dense", "bf16"], untimed=1, timed=self.rounds)
+            if self.turns.running(ctx.step):
+                return self.turns.exchange(x, key, ctx, average, self.into_input, shapes, keys)
             self._choose()
         sub = self.subs[self.choices.get(str(key), "dense")]  # type: ignore[union-attr]
         sub.into_input = self.into_input
         return sub.exchange(x, key, ctx, average, shapes, keys)
 
-    def _turn(self, name: str, timed: bool, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool,
-              shapes: list[torch.Size] | None, keys: list[str] | None) -> Work[torch.Tensor]:
-        sub = self.subs[name]
-        sub.into_input = self.into_input
-        if timed:  # a rank busy with its own work (an evaluation) is not the exchange's cost
-            self.backend.allreduce(torch.zeros(1)).wait()
-        began = time.perf_counter()
-        out = sub.exchange(x, key, ctx, average, shapes, keys).wait()
-        if timed:
-            spent = self._spent.setdefault(str(key), {})
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
-        return Work.done(out)
-
     def _choose(self) -> None:
-        """One allreduce, at the same bucket on every rank: the mean times, then each bucket's pick."""
-        buckets = list(self._spent)
-        spent = torch.tensor([[self._spent[b].get(n, 0.0) / self.rounds for n in ("dense", "bf16")] for b in buckets],
-                             dtype=torch.float64).reshape(len(buckets), 2)
-        self.backend.allreduce(spent).wait()
-        spent /= self.backend.world_size
-        self.measured_per_bucket = {b: {"dense": d, "bf16": h} for b, (d, h) in zip(buckets, spent.tolist())}
+        self.turns.agree()
         self.choices = {b: "bf16" if t["bf16"] * (1 + self.margin) < t["dense"] else "dense"
                         for b, t in self.measured_per_bucket.items()}
         log.info("gradwire auto: uncompressed steps per bucket: %s", "; ".join(
