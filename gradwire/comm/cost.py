@@ -160,8 +160,7 @@ class Auto(Strategy):
     mean of their times, within `TRIAL_MARGIN`, for each bucket (`choices`; `choice`, from the
     buckets' summed times, serves a bucket the trial did not see, such as a resumed DDP's first
     grouping): a bucket of small tensors may stay dense while a large one is compressed. The
-    candidates take turns, one step each (turns.py): a first step pays for connections, allocations and
-    compiling, and drift over the trial then hits all alike. Candidates within `TRIAL_CLOSE` of
+    candidates take turns, one step each (turns.py says why). Candidates within `TRIAL_CLOSE` of
     the fastest (each bucket's fastest, summed) are then timed `settle` more turns each (default
     3 x trials): two timed turns of 5-13 ms exchanges could not tell bf16 from dense (charlm at
     1 Gbit/s, 2026-12-01), and the extra turns cost little, every candidate in them being about
