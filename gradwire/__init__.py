@@ -8,10 +8,11 @@
 
 from .compress import (Compressor, Ctx, DGCMomentum, ErrorFeedback, Packet, available, compressor,
                        from_config, register)
-from .errors import ConfigMismatchError, WireFormatError
+from .errors import CollectiveError, ConfigMismatchError, WireFormatError
 
 __version__ = "0.1.0"
 __all__ = [
     "Compressor", "Ctx", "Packet", "ErrorFeedback", "DGCMomentum", "WireFormatError", "ConfigMismatchError",
+    "CollectiveError",
     "available", "compressor", "from_config", "register", "__version__",
 ]

@@ -2,11 +2,14 @@
 
 Each rank calls ``fn(rank, world, *args)``; its return value (picklable) comes back in
 rank order. A rank that raises fails the caller with that rank's traceback; a rank that
-hangs fails it after `timeout` seconds. Every child is killed on the way out.
+hangs fails it after `timeout` seconds. Ranks in `may_die` (fault tests kill or freeze them on
+purpose) may exit or stay silent: their result is None once every other rank has reported.
+Every child is killed on the way out.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import queue as queue_module
@@ -18,14 +21,16 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
-def _child(fn: Callable, rank: int, world: int, store_path: str, queue: Any, args: tuple) -> None:
+def _child(fn: Callable, rank: int, world: int, store_path: str, queue: Any, args: tuple,
+           pg_timeout: float | None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+        extra = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout is not None else {}
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, **extra)
         try:
             # plain pickle bytes: tensors sent through mp queues as shared memory die with the child
             queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
@@ -35,12 +40,13 @@ def _child(fn: Callable, rank: int, world: int, store_path: str, queue: Any, arg
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0,
+              may_die: tuple[int, ...] = (), pg_timeout: float | None = None) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(fn, r, world, store, queue, args), daemon=True)
+        procs = [ctx.Process(target=_child, args=(fn, r, world, store, queue, args, pg_timeout), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -50,14 +56,16 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0) -> l
         deadline = time.monotonic() + timeout
         try:
             while len(results) + len(errors) < world:
+                if may_die and all(r in results for r in range(world) if r not in may_die):
+                    break  # the ranks that were to survive have reported
                 try:
                     rank, ok, value = queue.get(timeout=1.0)
                 except queue_module.Empty:
                     now = time.monotonic()
                     if errors and now > failed_at + 20:
                         break  # a failed rank explains the hang of its peers
-                    if all(not p.is_alive() for p in procs):
-                        silent = [r for r in range(world) if r not in results]
+                    if all(not p.is_alive() for r, p in enumerate(procs) if r not in may_die):
+                        silent = [r for r in range(world) if r not in results and r not in may_die]
                         errors.append(f"ranks {silent} exited without reporting "
                                       f"(exit codes {[procs[r].exitcode for r in silent]})")
                         break
@@ -77,4 +85,4 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0) -> l
                     p.kill()
         if errors:
             raise AssertionError("\n".join(errors))
-        return [results[r] for r in range(world)]
+        return [results.get(r) for r in range(world)]

@@ -93,7 +93,7 @@ class Oracle:
 
 def _same_everywhere(b: Backend, t: torch.Tensor, what: str) -> None:
     raw = t.contiguous().view(-1).view(torch.uint8).clone()
-    copies = b.allgather_object(raw.numpy().tobytes())
+    copies = [c.numpy().tobytes() for c in b.allgather(raw).wait()]
     assert len(set(copies)) == 1, f"{what}: ranks hold different results"
 
 
@@ -184,11 +184,12 @@ class _CorruptingBackend(Backend):
     def __init__(self, inner: Backend) -> None:
         self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
 
-    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None,
+                 max_recv: int | list[int] | None = None) -> Work[list[torch.Tensor]]:
         if self.rank == 1:
             chunks = list(chunks)
             chunks[0] = torch.tensor([10**6, 0], dtype=torch.int32).view(torch.uint8)[:8].clone()
-        return self.inner.alltoall(chunks, recv_counts)
+        return self.inner.alltoall(chunks, recv_counts, max_recv)
 
     def allreduce(self, t: torch.Tensor) -> Work[torch.Tensor]:
         return self.inner.allreduce(t)
@@ -196,14 +197,14 @@ class _CorruptingBackend(Backend):
     def allgather(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
         return self.inner.allgather(t)
 
-    def allgatherv(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
-        return self.inner.allgatherv(t)
+    def allgatherv(self, t: torch.Tensor, max_numel: int) -> Work[list[torch.Tensor]]:
+        return self.inner.allgatherv(t, max_numel)
 
     def broadcast(self, t: torch.Tensor, src: int) -> Work[torch.Tensor]:
         return self.inner.broadcast(t, src)
 
-    def allgather_object(self, obj: Any) -> list[Any]:
-        return self.inner.allgather_object(obj)
+    def allgather_ints(self, values: list[int]) -> list[list[int]]:
+        return self.inner.allgather_ints(values)
 
 
 def hostile_chunk_fails_every_rank(b: Backend) -> None:

@@ -8,7 +8,9 @@ when every rank reported it. A job that hangs is killed after JOB_TIMEOUT second
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -88,6 +90,27 @@ def test_horovod_check(controller: str, name: str) -> None:
 def test_horovod_job_exits_cleanly(controller: str) -> None:
     j = job(controller)
     assert j.rc == 0, f"{controller}: rc={j.rc} after {j.seconds:.0f} s\n{j.stderr[-4000:]}"
+
+
+@needs_horovod
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "fp16"])  # packets by allgather; a summable payload by allreduce
+def test_survivor_stops_when_a_rank_dies(spec: str) -> None:
+    """The last rank exits mid-training (tests/horovod_programs/dies.py): the survivor raises
+    and completes no optimizer step after the death."""
+    runner = shutil.which("horovodrun")
+    if runner is None:
+        pytest.skip("no horovodrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    program = Path(__file__).resolve().parent / "horovod_programs" / "dies.py"
+    proc = subprocess.run([runner, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(program), spec],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    steps = [int(m) for m in re.findall(r"STEP 0 (\d+)", proc.stdout)]
+    assert max(steps) == 3, proc.stdout[-3000:]  # the victim died before step 4: none after it
+    # the survivor raises (HorovodInternalError), unless horovodrun has already ended it for the death
+    assert "RAISED 0" in proc.stdout or "exited with non-zero status" in proc.stdout + proc.stderr, \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode != 0  # and the job fails loudly
 
 
 def test_program_defines_checks() -> None:

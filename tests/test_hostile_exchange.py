@@ -40,21 +40,22 @@ class Forging(Backend):
     def allgather(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
         return self.inner.allgather(self._out(t))
 
-    def allgatherv(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
-        return self.inner.allgatherv(self._out(t))
+    def allgatherv(self, t: torch.Tensor, max_numel: int) -> Work[list[torch.Tensor]]:
+        return self.inner.allgatherv(self._out(t), max_numel)
 
     def broadcast(self, t: torch.Tensor, src: int) -> Work[torch.Tensor]:
         if self.rank == src and self.forge is not None:
             t.copy_(self.forge(t))
         return self.inner.broadcast(t, src)
 
-    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None,
+                 max_recv: int | list[int] | None = None) -> Work[list[torch.Tensor]]:
         if self.forge is not None:  # only rank 0's chunk: the other ranks receive good bytes
             chunks = [self.forge(c) if j == 0 else c for j, c in enumerate(chunks)]
-        return self.inner.alltoall(chunks, recv_counts)
+        return self.inner.alltoall(chunks, recv_counts, max_recv)
 
-    def allgather_object(self, obj: Any) -> list[Any]:
-        return self.inner.allgather_object(obj)
+    def allgather_ints(self, values: list[int]) -> list[list[int]]:
+        return self.inner.allgather_ints(values)
 
 
 def _one_element_packet(spec: str) -> Callable[[torch.Tensor], torch.Tensor]:

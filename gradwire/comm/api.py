@@ -31,14 +31,15 @@ same bits) — so with the same optimizer they keep bit-identical parameters.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Iterable
 
 import torch
 
 from ..compress import Compressor, Ctx, compressor as make_compressor, resolve_error_feedback
-from ..errors import ConfigMismatchError, WireFormatError
+from ..errors import ConfigMismatchError, WireFormatError  # noqa: F401 (ConfigMismatchError: raised by the check)
 from .backend import Backend, Work
+from .framing import check_same_config
+from .hierarchical import launcher_ranks_per_node
 from .strategies import ExchangeStats, Strategy
 
 
@@ -115,8 +116,14 @@ class GradientExchanger:
         self.bucket_mb = bucket_mb
         self.per_tensor = bool(per_tensor)
         self.strategy_options = dict(strategy_options)
+        options = dict(strategy_options)
+        if strategy == "powersgd" or options.get("inner") == "powersgd":
+            options.setdefault("seed", self.seed)  # PowerSGD's shared random init follows seed=
+        # Before the strategy exists: building auto or hierarchical runs collectives already.
+        check_same_config(backend, f"{self.config()} ranks_per_node(launcher)={launcher_ranks_per_node()}",
+                          "gradwire exchangers' configs")
         self.strategy: Strategy = make_strategy(strategy, backend, self.compressor,
-                                                error_feedback=self.error_feedback, **strategy_options)
+                                                error_feedback=self.error_feedback, **options)
         self.step = 0
         self.last_stats: dict[str, Any] | None = None
         self.totals = ExchangeStats()
@@ -168,11 +175,8 @@ class GradientExchanger:
     def _check_layout(self, layout: tuple) -> None:
         """Every rank must agree on the config and the bucket layout (blocking; first step only,
         or when this rank's layout changes)."""
-        desc = repr((self.config(), layout))
-        prints = self.backend.allgather_object((zlib.crc32(desc.encode()), desc))
-        if len({p for p, _ in prints}) > 1:
-            lines = "\n".join(f"  rank {r}: {d}" for r, (_, d) in enumerate(prints))
-            raise ConfigMismatchError(f"gradwire exchangers differ across ranks (config, bucket layout):\n{lines}")
+        check_same_config(self.backend, repr((self.config(), layout)),
+                          "gradwire exchangers (config, bucket layout)")
         self._checked_layout = layout
 
     # ---- exchange ------------------------------------------------------------------

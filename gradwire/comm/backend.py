@@ -7,9 +7,12 @@ so every strategy runs on every backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import struct
 from typing import Any, Callable, Generic, TypeVar
 
 import torch
+
+from ..errors import CollectiveError, WireFormatError
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -43,7 +46,13 @@ class Work(Generic[T]):
 
     def wait(self) -> T:
         if not self._done:
-            self._value = self._future.wait() if self._future is not None else self._wait()  # type: ignore[misc]
+            if self._future is not None:
+                try:
+                    self._value = self._future.wait()
+                except Exception as e:  # noqa: BLE001 - a future failed outside gradwire's own steps
+                    self._value = _Failed(_as_collective_error(e))
+            else:
+                self._value = self._wait()  # type: ignore[misc]
             self._done = True
         if isinstance(self._value, _Failed):
             raise self._value.error
@@ -52,7 +61,10 @@ class Work(Generic[T]):
     def then(self, fn: Callable[[T], U]) -> "Work[U]":
         if self._future is not None:
             def step(f: torch.futures.Future) -> Any:
-                value = f.value()
+                try:
+                    value = f.value()
+                except Exception as e:  # noqa: BLE001 - the collective itself failed
+                    return _Failed(_as_collective_error(e))
                 if isinstance(value, _Failed):
                     return value
                 try:
@@ -73,6 +85,13 @@ class Work(Generic[T]):
         return fut
 
 
+def _as_collective_error(e: BaseException) -> BaseException:
+    """gradwire's own errors as they are; anything the transport raised as a CollectiveError."""
+    if isinstance(e, (CollectiveError, WireFormatError)):
+        return e
+    return CollectiveError(f"a collective failed: {e}")
+
+
 def _unwrap(value: Any) -> Any:
     if isinstance(value, _Failed):
         raise value.error
@@ -80,7 +99,12 @@ def _unwrap(value: Any) -> Any:
 
 
 class Backend(ABC):
-    """Collectives over one group of ranks. Tensors are 1-D and contiguous."""
+    """Collectives over one group of ranks. Tensors are 1-D and contiguous.
+
+    Nothing a peer sends is unpickled, and every size a peer declares is checked against the
+    caller's bound before anything is allocated for it (framing.py). A collective that fails
+    (a peer died or froze past the timeout) raises `CollectiveError` from `wait()`, never hands
+    back a buffer that was not filled."""
 
     rank: int
     world_size: int
@@ -97,24 +121,41 @@ class Backend(ABC):
         """Every rank's tensor, in rank order; all ranks pass the same numel and dtype."""
 
     @abstractmethod
-    def allgatherv(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
-        """Every rank's tensor in rank order; lengths may differ (they are exchanged first)."""
+    def allgatherv(self, t: torch.Tensor, max_numel: int) -> Work[list[torch.Tensor]]:
+        """Every rank's tensor in rank order; lengths may differ (they are exchanged first, as
+        fixed-layout integers). A rank declaring more than `max_numel` elements, or another
+        dtype, makes every rank raise WireFormatError naming it, before any allocation."""
 
     @abstractmethod
-    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None,
+                 max_recv: int | list[int] | None = None) -> Work[list[torch.Tensor]]:
         """chunks[j] goes to rank j; the result is what every rank sent to this one, in rank order.
         Chunks share one dtype and may differ in length (0 included). Without `recv_counts` (the
-        numel each rank sends here, when the caller knows it) the counts and dtypes are exchanged
-        first (one small blocking all-to-all), and ranks disagreeing on the dtype all raise
-        ValueError."""
+        numel each rank sends here, when the caller knows it) every rank's counts and dtype are
+        allgathered first (one small blocking exchange) and checked against `max_recv` (the most
+        elements one rank may send to destination j: one bound for all, or one per destination,
+        the same on every rank), so a claim beyond it or a dtype mismatch makes every rank raise
+        WireFormatError. A chunk that arrives short raises WireFormatError on its receiver only:
+        callers make the ranks agree (framing.agree)."""
 
     @abstractmethod
     def broadcast(self, t: torch.Tensor, src: int) -> Work[torch.Tensor]:
         """src's tensor on every rank (written into t)."""
 
     @abstractmethod
-    def allgather_object(self, obj: Any) -> list[Any]:
-        """Small picklable objects from every rank (blocking; for setup and checks)."""
+    def allgather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's int64 values (the same count on every rank), blocking; for setup and
+        checks. Fixed layout: nothing is unpickled."""
+
+    def allgather_text(self, text: str, limit: int = 2048) -> list[str]:
+        """Every rank's text, cut to `limit` UTF-8 bytes (for error messages; blocking)."""
+        raw = text.encode()[:limit]
+        words = [len(raw)] + list(struct.unpack(f"<{limit // 8 + 1}q", raw.ljust(8 * (limit // 8 + 1), b"\0")))
+        out = []
+        for row in self.allgather_ints(words):
+            n = min(max(row[0], 0), limit)
+            out.append(struct.pack(f"<{len(row) - 1}q", *row[1:])[:n].decode(errors="replace"))
+        return out
 
     def split(self, color: int, key: int) -> "Backend":
         """A backend over the ranks passing the same `color`, ordered by `key` (then rank); every
@@ -130,13 +171,14 @@ class Backend(ABC):
             raise ValueError(f"alltoall chunks must share one dtype, got {sorted(map(str, dtypes))}")
         return chunks[0].dtype
 
-    def gather_packets(self, packet: torch.Tensor, static_size: int | None) -> Work[list[torch.Tensor]]:
-        """Allgather uint8 packets; skips the size exchange when the size is static."""
+    def gather_packets(self, packet: torch.Tensor, static_size: int | None, max_size: int) -> Work[list[torch.Tensor]]:
+        """Allgather uint8 packets; skips the size exchange when the size is static, else
+        accepts at most `max_size` bytes from each rank."""
         if static_size is not None:
             if packet.numel() != static_size:
                 raise ValueError(f"packet of {packet.numel()} bytes, but the compressor promised {static_size}")
             return self.allgather(packet)
-        return self.allgatherv(packet)
+        return self.allgatherv(packet, max_size)
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -147,10 +189,31 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def check_same_dtype(op: str, codes: list[int]) -> None:
-    """Raise ValueError (on every rank, since every rank sees the same codes) if ranks disagree."""
+    """Raise WireFormatError (on every rank, since every rank sees the same codes) if ranks disagree."""
     if len(set(codes)) > 1:
-        raise ValueError(f"{op}: ranks passed different dtypes: "
-                         f"{', '.join(f'rank {r}: {_DTYPE_CODES[c]}' for r, c in enumerate(codes))}")
+        names = [str(_DTYPE_CODES[c]) if 0 <= c < len(_DTYPE_CODES) else f"code {c}" for c in codes]
+        odd = next(r for r, c in enumerate(codes) if codes.count(c) < max(codes.count(x) for x in codes)) \
+            if len(codes) > 2 else None
+        raise WireFormatError(f"{op}: ranks passed different dtypes: "
+                              f"{', '.join(f'rank {r}: {n}' for r, n in enumerate(names))}", peer=odd)
+
+
+def check_alltoall_claims(op: str, matrix: list[list[int]], world: int, max_recv: int | list[int]) -> list[int]:
+    """Validate an allgathered all-to-all plan (row s: rank s's count to every rank, then its
+    dtype code) on every rank alike; returns the dtype codes."""
+    limits = [int(max_recv)] * world if isinstance(max_recv, int) else [int(m) for m in max_recv]
+    if len(limits) != world:
+        raise ValueError(f"{op}: max_recv needs one bound per rank ({world}), got {len(limits)}")
+    for src, row in enumerate(matrix):
+        if len(row) != world + 1:
+            raise WireFormatError(f"{op}: rank {src} sent a plan of {len(row)} words, expected {world + 1}", peer=src)
+        for dst, n in enumerate(row[:world]):
+            if not 0 <= n <= limits[dst]:
+                raise WireFormatError(f"{op}: rank {src} declares {n} elements for rank {dst}, outside the "
+                                      f"0..{limits[dst]} it accepts", peer=src)
+    codes = [row[world] for row in matrix]
+    check_same_dtype(op, codes)
+    return codes
 
 
 _DTYPE_CODES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from ..compress import Compressor, Ctx
+from ..errors import WireFormatError
 from .backend import Backend, Work
+from .framing import agree
 from .strategies import ExchangeStats, Strategy, segments_of
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -45,17 +47,22 @@ def launcher_ranks_per_node() -> int | None:
 
 
 def node_layout(backend: Backend, ranks_per_node: int | None = None) -> tuple[int, int, int]:
-    """(node index, local rank, ranks per node) of this rank, the same view on every rank."""
+    """(node index, local rank, ranks per node) of this rank, the same view on every rank.
+
+    Every rank sends the same fixed-layout record whatever it was told (its ranks per node, or
+    -1, and its hostname), so ranks that disagree all raise ValueError instead of mismatching."""
     world, rank = backend.world_size, backend.rank
     size = ranks_per_node if ranks_per_node is not None else launcher_ranks_per_node()
+    views = [row[0] for row in backend.allgather_ints([int(size) if size is not None else -1])]
+    if len(set(views)) > 1:
+        told = ", ".join(f"rank {r}: {v if v >= 0 else 'none'}" for r, v in enumerate(views))
+        raise ValueError(f"ranks disagree on the ranks per node (ranks_per_node= or the launcher's "
+                         f"LOCAL_WORLD_SIZE / OMPI_COMM_WORLD_LOCAL_SIZE): {told}")
     if size is not None:
-        views = backend.allgather_object(int(size))
-        if len(set(views)) > 1:
-            raise ValueError(f"ranks disagree on the ranks per node: {views}")
         if size < 1 or world % size:
             raise ValueError(f"{world} ranks do not split into nodes of {size}")
         return rank // size, rank % size, size
-    hosts = backend.allgather_object(socket.gethostname())
+    hosts = backend.allgather_text(socket.gethostname(), limit=256)
     names = sorted(set(hosts))
     members = [[r for r, h in enumerate(hosts) if h == n] for n in names]
     sizes = {len(m) for m in members}
@@ -124,6 +131,7 @@ class Hierarchical(Strategy):
         self.node, self.local, self.ranks_per_node = node_layout(backend, ranks_per_node)
         self.intra = backend.split(self.node, self.local)
         self.inter = backend.split(self.local, self.node)
+        self.node_ranks = [row[0] for row in self.intra.allgather_ints([backend.rank])]  # local -> global rank
         self.inner = make_strategy(inner, self.inter, self.compressor, error_feedback, **inner_options)
 
     def set_compressor(self, c: Compressor) -> None:
@@ -136,8 +144,16 @@ class Hierarchical(Strategy):
         size, local = self.intra.world_size, self.local
         layout = node_chunks(x.numel(), size, shapes, keys, key)
         chunks = [x[a:b] for a, b, _, _ in layout]
-        received = self.intra.alltoall(chunks).wait()  # 1: the node's parts of chunk `local`
-        part = torch.zeros_like(received[0], dtype=_ACC.get(x.dtype, x.dtype))
+        mine = chunks[local].numel()
+        acc = _ACC.get(x.dtype, x.dtype)
+        # A malformed share or chunk is remembered, not raised at once: this rank still takes part
+        # in every collective of the bucket, and all ranks agree on failure at the end.
+        error: WireFormatError | None = None
+        try:  # 1: the node's parts of chunk `local`, exactly as long as this rank's layout says
+            received = self.intra.alltoall(chunks, recv_counts=[mine] * size).wait()
+        except WireFormatError as e:
+            error, received = self._in_node(e), [x.new_zeros(mine)] * size
+        part = torch.zeros(mine, dtype=acc, device=x.device)
         for r in received:  # local-rank order: the same sum on every node's local rank j
             part.add_(r)
         part = part.to(x.dtype)
@@ -146,29 +162,54 @@ class Hierarchical(Strategy):
         names = "|".join(s.key for s in segments_of(x, key, shapes, keys))
         chunk_key = f"{zlib.crc32(names.encode()):08x}/{local}"
         _, _, part_shapes, part_keys = layout[local]
-        if part.numel() == 0:  # more local ranks than rows: this chunk is empty on every node
-            summed = part
-        else:
-            summed = self.inner.exchange(part, chunk_key, replace(ctx, key=chunk_key), average=False,
-                                         shapes=part_shapes, keys=part_keys).wait()
+        summed = part
+        if part.numel():  # (more local ranks than rows: this chunk is empty on every node)
+            try:
+                summed = self.inner.exchange(part, chunk_key, replace(ctx, key=chunk_key), average=False,
+                                             shapes=part_shapes, keys=part_keys).wait()
+            except WireFormatError as e:  # (the inner strategy names its peer by node)
+                error, summed = error or WireFormatError(f"hierarchical, between nodes: {e}"), part
         if average:
             summed.div_(self.backend.world_size)
         t2 = time.perf_counter()
         item = x.element_size()
-        intra_sent = (x.numel() - chunks[local].numel() + (summed.numel() if size > 1 else 0)) * item
+        intra_sent = (x.numel() - mine + (summed.numel() if size > 1 else 0)) * item
         intra_received = sum(r.numel() for j, r in enumerate(received) if j != local) * item
+        lengths = [c.numel() for c in chunks]
 
-        def finish(parts: list[torch.Tensor]) -> torch.Tensor:  # 3: every chunk on every rank
+        def finish() -> torch.Tensor:  # 3: every chunk on every rank, each as long as the layout says
+            nonlocal error
+            parts: list[torch.Tensor] = []
+            try:
+                parts = self.intra.allgatherv(summed, max_numel=max(lengths)).wait()
+                for j, (got, want) in enumerate(zip(parts, lengths)):
+                    if got.numel() != want:
+                        raise WireFormatError(f"hierarchical: local rank {j} sent a chunk of {got.numel()} elements, "
+                                              f"the bucket's layout has {want}", peer=j)
+            except WireFormatError as e:
+                error = error or self._in_node(e)
+            agree(self.backend, error, "hierarchical", device=self.backend_device(x))
             out = torch.cat(parts)
             got = intra_received + (out.numel() - summed.numel()) * item
             inner = self.inner.take_stats()
-            mine = ExchangeStats(intra_sent, got, x.numel() * item, exchange_s=(t1 - t0) + (time.perf_counter() - t2),
-                                 buckets={str(key): self.name}, intra_bytes_sent=intra_sent, intra_bytes_received=got)
-            self.stats = self.stats.merge(inner).merge(mine)
+            mine_stats = ExchangeStats(intra_sent, got, x.numel() * item,
+                                       exchange_s=(t1 - t0) + (time.perf_counter() - t2),
+                                       buckets={str(key): self.name}, intra_bytes_sent=intra_sent,
+                                       intra_bytes_received=got)
+            self.stats = self.stats.merge(inner).merge(mine_stats)
             self.stats.dense_bytes -= inner.dense_bytes  # the bucket counts once
             return out
 
-        return self.intra.allgatherv(summed).then(finish)
+        return Work(wait=finish)
+
+    def _in_node(self, e: WireFormatError) -> WireFormatError:
+        """An error of the node's group, its peer named by global rank."""
+        peer = self.node_ranks[e.peer] if e.peer is not None and 0 <= e.peer < len(self.node_ranks) else None
+        return WireFormatError(f"hierarchical, inside node {self.node} (local ranks): {e}", peer=peer)
+
+    def backend_device(self, x: torch.Tensor) -> torch.device:
+        """Where the agreement's flags live: the backend's small-exchange device, else x's."""
+        return getattr(self.backend, "small_device", x.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict()}

@@ -15,6 +15,13 @@ summed in float32 (MPI has no half types) and rounded back once; 8/16-bit intege
 in int32 and wrap around like torch's own integer sums. The gathers and broadcast
 move raw bytes, so any dtype works. Empty tensors and unequal counts (allgatherv) are fine.
 
+Nothing a peer sends is unpickled: sizes travel as int64 arrays, checked against the
+caller's bounds before allocation, and gathered or all-to-all chunks carry an end marker
+(framing.py). MPI itself has no timeout: every request is waited for with a deadline
+(`timeout`, default ``GRADWIRE_MPI_TIMEOUT`` seconds or 1800, as torch.distributed's default),
+after which `CollectiveError` is raised instead of waiting forever for a frozen peer; a failed
+MPI call (mpi4py raises ``MPI.Exception``) is a `CollectiveError` too.
+
 mpi4py is an optional dependency (``pip install 'gradwire[mpi]'``).
 """
 
@@ -22,11 +29,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from typing import Any
 
+import numpy as np
 import torch
 
-from .backend import Backend, Work, check_same_dtype, dtype_code
+from ..errors import CollectiveError, WireFormatError
+from .backend import Backend, Work, check_alltoall_claims, check_same_dtype, dtype_code
+from .framing import TRAILER, check_claims, check_frames, framed
 
 
 def _mpi() -> Any:
@@ -97,7 +108,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class MPIBackend(Backend):
     """Collectives over an mpi4py communicator (COMM_WORLD by default)."""
 
-    def __init__(self, comm: Any = None, cuda_aware: bool | None = None) -> None:
+    def __init__(self, comm: Any = None, cuda_aware: bool | None = None, timeout: float | None = None) -> None:
         MPI = _mpi()
         if not MPI.Is_initialized() or MPI.Is_finalized():
             raise RuntimeError("MPI is not initialized (import mpi4py.MPI first) or already finalized")
@@ -106,9 +117,44 @@ class MPIBackend(Backend):
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else bool(cuda_aware)
+        self.timeout = float(timeout if timeout is not None else os.environ.get("GRADWIRE_MPI_TIMEOUT", 1800))
+        if not self.timeout > 0:
+            raise ValueError(f"MPI timeout must be > 0 seconds, got {self.timeout}")
 
     def __repr__(self) -> str:
         return f"MPIBackend(rank={self.rank}, world_size={self.world_size}, cuda_aware={self.cuda_aware})"
+
+    # ---- waiting -------------------------------------------------------------------
+    def _call(self, op: str, fn: Any) -> Any:
+        """Issue an MPI call; an MPI error becomes a CollectiveError naming the operation."""
+        try:
+            return fn()
+        except self.MPI.Exception as e:
+            raise CollectiveError(f"MPI {op} failed on rank {self.rank} of {self.world_size}: {e}") from e
+
+    def _complete(self, op: str, req: Any) -> None:
+        """Wait for req, at most `timeout` seconds (MPI's own wait has no deadline)."""
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not self._call(op, req.Test):
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"MPI {op} on rank {self.rank} of {self.world_size} did not complete within "
+                                      f"{self.timeout:g} s: a peer died, froze or never joined")
+            spins += 1
+            if spins > 1000:  # a fast collective completes while spinning; a slow one yields the core
+                time.sleep(0.0002)
+
+    def _ints(self, op: str, values: list[int]) -> list[list[int]]:
+        """Every rank's int64 values (the same count everywhere), blocking, with the deadline."""
+        mine = np.asarray(values, dtype=np.int64)
+        out = np.zeros((self.world_size, mine.size + 1), dtype=np.int64)
+        send = np.concatenate([mine, np.asarray([_INT_MARK ^ mine.size], dtype=np.int64)])
+        req = self._call(op, lambda: self.comm.Iallgather([send, self.MPI.INT64_T], [out, self.MPI.INT64_T]))
+        self._complete(op, req)
+        for src, row in enumerate(out):
+            if int(row[-1]) != _INT_MARK ^ mine.size:
+                raise WireFormatError(f"{op}: rank {src}'s integers arrived short or altered", peer=src)
+        return [[int(v) for v in row[:-1]] for row in out]
 
     # ---- staging -------------------------------------------------------------------
     def _direct(self, t: torch.Tensor) -> bool:
@@ -131,11 +177,12 @@ class MPIBackend(Backend):
         host.copy_(t)  # synchronous device -> host copy
         return host
 
-    def _empty_like_for_mpi(self, n: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-        """A receive buffer MPI can write: on like's device when direct, else pinned host memory."""
+    def _zeros_for_mpi(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed uint8 receive buffer MPI can write (a short delivery then leaves no stale end
+        marker): on like's device when direct, else pinned host memory."""
         if self._direct(like):
-            return torch.empty(n, dtype=dtype, device=like.device)
-        return torch.empty(n, dtype=dtype, pin_memory=True)
+            return torch.zeros(nbytes, dtype=torch.uint8, device=like.device)
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
 
     # ---- collectives ---------------------------------------------------------------
     def allreduce(self, t: torch.Tensor) -> Work[torch.Tensor]:
@@ -147,11 +194,11 @@ class MPIBackend(Backend):
         flat = _flat(t)
         work = flat if sum_dtype == t.dtype else flat.to(sum_dtype)
         buf = self._stage_in(work)
-        req = self.comm.Iallreduce(self.MPI.IN_PLACE, [self._buf(buf), getattr(self.MPI, type_name)],
-                                   op=self.MPI.SUM)
+        req = self._call("allreduce", lambda: self.comm.Iallreduce(
+            self.MPI.IN_PLACE, [self._buf(buf), getattr(self.MPI, type_name)], op=self.MPI.SUM))
 
         def finish() -> torch.Tensor:
-            req.Wait()
+            self._complete("allreduce", req)
             if buf.data_ptr() != t.data_ptr() or buf.dtype != t.dtype or buf.numel() != t.numel():
                 with torch.no_grad():
                     t.copy_(buf.view(t.shape))  # device copy and/or rounding back to the half type
@@ -161,59 +208,65 @@ class MPIBackend(Backend):
 
     def allgather(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
         """Every rank's tensor (same numel and dtype everywhere), in rank order."""
-        return self._gather(t, [t.numel()] * self.world_size)
+        return self._gather("allgather", t, [t.numel()] * self.world_size)
 
-    def allgatherv(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
+    def allgatherv(self, t: torch.Tensor, max_numel: int) -> Work[list[torch.Tensor]]:
         """Every rank's tensor in rank order; numels may differ (0 included). The counts and
-        dtypes are exchanged first (one small blocking allgather); ranks disagreeing on the
-        dtype all raise ValueError."""
-        info = self.comm.allgather((t.numel(), str(t.dtype)))
-        dtypes = {d for _, d in info}
-        if len(dtypes) > 1:
-            raise ValueError(f"allgatherv: ranks passed different dtypes: "
-                             f"{', '.join(f'rank {r}: {d}' for r, (_, d) in enumerate(info))}")
-        return self._gather(t, [n for n, _ in info])
+        dtypes are exchanged first (one small blocking allgather of integers) and checked:
+        a count over `max_numel` or another dtype makes every rank raise WireFormatError."""
+        info = self._ints("allgatherv", [t.numel(), dtype_code(t.dtype)])
+        check_same_dtype("allgatherv", [c for _, c in info])
+        counts = [n for n, _ in info]
+        check_claims("allgatherv", counts, int(max_numel))
+        return self._gather("allgatherv", t, counts)
 
-    def _gather(self, t: torch.Tensor, counts: list[int]) -> Work[list[torch.Tensor]]:
+    def _gather(self, op: str, t: torch.Tensor, counts: list[int]) -> Work[list[torch.Tensor]]:
         item = t.element_size()
-        send = self._stage_in(_bytes(t))  # bytes: any dtype, no MPI type table
-        recv = self._empty_like_for_mpi(sum(counts) * item, torch.uint8, t)
-        byte_counts = [c * item for c in counts]
-        req = self.comm.Iallgatherv([self._buf(send), self.MPI.BYTE],
-                                    [self._buf(recv), byte_counts, _displacements(byte_counts), self.MPI.BYTE])
+        send = self._stage_in(framed(_bytes(t)))  # bytes: any dtype, no MPI type table
+        byte_counts = [c * item + TRAILER for c in counts]
+        recv = self._zeros_for_mpi(sum(byte_counts), t)
+        req = self._call(op, lambda: self.comm.Iallgatherv(
+            [self._buf(send), self.MPI.BYTE], [self._buf(recv), byte_counts, _displacements(byte_counts), self.MPI.BYTE]))
 
         def finish() -> list[torch.Tensor]:
-            req.Wait()
+            self._complete(op, req)
             _ = send  # keep the send buffer alive until the request completes
             whole = recv if recv.device == t.device else recv.to(t.device)
-            return list(torch.split(whole.view(t.dtype), counts))
+            slots = list(torch.split(whole, byte_counts))
+            check_frames(op, slots, [c * item for c in counts])
+            return [s[: c * item].view(t.dtype) for s, c in zip(slots, counts)]
 
         return Work(wait=finish)
 
-    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None,
+                 max_recv: int | list[int] | None = None) -> Work[list[torch.Tensor]]:
         """chunks[j] to rank j, as raw bytes (any dtype); what every rank sent here, in rank order."""
         dtype = self._check_chunks(chunks)
         send_counts = [c.numel() for c in chunks]
         if recv_counts is None:
-            pairs = self.comm.alltoall([(n, dtype_code(dtype)) for n in send_counts])
-            check_same_dtype("alltoall", [c for _, c in pairs])
-            recv_counts = [n for n, _ in pairs]
+            if max_recv is None:
+                raise ValueError("alltoall without recv_counts needs max_recv, the most elements a rank may send")
+            matrix = self._ints("alltoall", send_counts + [dtype_code(dtype)])
+            check_alltoall_claims("alltoall", matrix, self.world_size, max_recv)
+            recv_counts = [row[self.rank] for row in matrix]
         elif len(recv_counts) != self.world_size:
             raise ValueError(f"alltoall needs one receive count per rank ({self.world_size}), got {len(recv_counts)}")
         item = torch.empty((), dtype=dtype).element_size()
         like = chunks[0]
-        send = self._stage_in(_bytes(torch.cat([c.reshape(-1) for c in chunks])))
-        recv = self._empty_like_for_mpi(sum(recv_counts) * item, torch.uint8, like)
-        sb, rb = [n * item for n in send_counts], [n * item for n in recv_counts]
-        req = self.comm.Ialltoallv([self._buf(send), sb, _displacements(sb), self.MPI.BYTE],
-                                   [self._buf(recv), rb, _displacements(rb), self.MPI.BYTE])
+        send = self._stage_in(torch.cat([framed(_bytes(c)) for c in chunks]))
+        sb, rb = [n * item + TRAILER for n in send_counts], [n * item + TRAILER for n in recv_counts]
+        recv = self._zeros_for_mpi(sum(rb), like)
+        req = self._call("alltoall", lambda: self.comm.Ialltoallv(
+            [self._buf(send), sb, _displacements(sb), self.MPI.BYTE], [self._buf(recv), rb, _displacements(rb), self.MPI.BYTE]))
         counts = list(recv_counts)
 
         def finish() -> list[torch.Tensor]:
-            req.Wait()
+            self._complete("alltoall", req)
             _ = send  # keep the send buffer alive until the request completes
             whole = recv if recv.device == like.device else recv.to(like.device)
-            return list(torch.split(whole.view(dtype), counts))
+            slots = list(torch.split(whole, rb))
+            check_frames("alltoall", slots, [n * item for n in counts])
+            return [s[: n * item].view(dtype) for s, n in zip(slots, counts)]
 
         return Work(wait=finish)
 
@@ -222,25 +275,29 @@ class MPIBackend(Backend):
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast src {src} is not a rank of this {self.world_size}-rank communicator")
         raw = _bytes(t)
-        buf = self._stage_in(raw)
-        req = self.comm.Ibcast([self._buf(buf), self.MPI.BYTE], root=src)
+        n = raw.numel()
+        buf = self._stage_in(framed(raw)) if self.rank == src else self._zeros_for_mpi(n + TRAILER, t)
+        req = self._call("broadcast", lambda: self.comm.Ibcast([self._buf(buf), self.MPI.BYTE], root=src))
 
         def finish() -> torch.Tensor:
-            req.Wait()
-            if buf.data_ptr() != raw.data_ptr():
-                raw.copy_(buf)  # pinned host -> device
-            if not t.is_contiguous():  # raw was a contiguous copy of t
+            self._complete("broadcast", req)
+            check_frames("broadcast", [buf], [n], ranks=[src])
+            if self.rank != src:
                 with torch.no_grad():
-                    t.copy_(raw.view(t.dtype).view(t.shape))
+                    t.copy_(buf[:n].to(t.device).view(t.dtype).view(t.shape))
             return t
 
         return Work(wait=finish)
 
-    def allgather_object(self, obj: Any) -> list[Any]:
-        return self.comm.allgather(obj)
+    def allgather_ints(self, values: list[int]) -> list[list[int]]:
+        return self._ints("allgather_ints", [int(v) for v in values])
 
     def split(self, color: int, key: int) -> "MPIBackend":
-        return MPIBackend(self.comm.Split(int(color), int(key)), cuda_aware=self.cuda_aware)
+        comm = self._call("split", lambda: self.comm.Split(int(color), int(key)))
+        return MPIBackend(comm, cuda_aware=self.cuda_aware, timeout=self.timeout)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self._complete("barrier", self._call("barrier", self.comm.Ibarrier))
+
+
+_INT_MARK = 0x47574E54  # ends each rank's integers (xor its count): a short delivery is seen

@@ -69,9 +69,17 @@ def _pairs(idx: torch.Tensor, values: torch.Tensor, lo: int, hi: int) -> torch.T
     return torch.cat([head, packed.to(values.device), values.contiguous().view(torch.uint8)])
 
 
-def _unpairs(buf: torch.Tensor, dtype: torch.dtype, lo: int, hi: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a pair buffer; WireFormatError unless its lengths add up and its indices ascend
-    strictly inside [lo, hi). Nothing larger than the buffer is allocated before the checks."""
+def pairs_bound(count: int, lo: int, hi: int, item: int) -> int:
+    """The most bytes `_pairs` writes for at most `count` pairs in region [lo, hi)."""
+    n = max(min(count, hi - lo), 0)
+    return 8 + indexcodec.max_size(n, hi - lo) + n * item
+
+
+def _unpairs(buf: torch.Tensor, dtype: torch.dtype, lo: int, hi: int, what: str,
+             cap: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a pair buffer; WireFormatError unless its lengths add up, it holds at most `cap`
+    pairs (what the sender's k allows) and its indices ascend strictly inside [lo, hi). Nothing
+    larger than the buffer is allocated before the checks."""
     item = torch.empty((), dtype=dtype).element_size()
     if buf.numel() < 8:
         raise WireFormatError(f"{what}: {buf.numel()} bytes cannot hold its 8-byte header")
@@ -79,6 +87,8 @@ def _unpairs(buf: torch.Tensor, dtype: torch.dtype, lo: int, hi: int, what: str)
     if not 0 <= n <= hi - lo or packed_len < 0 or 8 + packed_len + n * item != buf.numel():
         raise WireFormatError(f"{what}: header (count {n}, packed {packed_len} bytes) does not match its "
                               f"{buf.numel()} bytes for region [{lo}, {hi})")
+    if cap is not None and n > cap:
+        raise WireFormatError(f"{what}: {n} pairs, more than the {cap} its top-k allows in region [{lo}, {hi})")
     if n == 0:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype)
     packed = buf[8: 8 + packed_len].cpu()
@@ -164,17 +174,27 @@ class OkTopK(Strategy):
         chunks = [_pairs(idx[cuts[j]: cuts[j + 1]], flat[idx[cuts[j]: cuts[j + 1]]], bounds[j], bounds[j + 1])
                   for j in range(world)]
         t1 = time.perf_counter()
-        received = self.backend.alltoall(chunks).wait()  # stage 1: region j's pairs to rank j
+        # What a rank may send to region j: its top-k pairs there plus the region's small segments whole.
+        item = x.element_size()
+        small_in = [sum(max(min(seg.offset + seg.numel, bounds[j + 1]) - max(seg.offset, bounds[j]), 0)
+                        for seg, s in zip(segs, small) if s) for j in range(world)]
+        caps = [k + small_in[j] for j in range(world)]
+        limits = [pairs_bound(caps[j], bounds[j], bounds[j + 1], item) for j in range(world)]
+        bad_src = -1
+        try:  # stage 1: region j's pairs to rank j (a claim over the limit raises on every rank here)
+            received = self.backend.alltoall(chunks, max_recv=limits).wait()
+        except WireFormatError as e:  # a chunk to this rank alone arrived short: told to all in stage 3
+            received, bad_src = [], e.peer if e.peer is not None else rank
         t2 = time.perf_counter()
 
         # stage 2: this rank's region, summed in rank order
         lo, hi = bounds[rank], bounds[rank + 1]
         region = torch.zeros(hi - lo, dtype=_ACC.get(x.dtype, x.dtype), device=x.device)
         touched = torch.zeros(hi - lo, dtype=torch.bool, device=x.device)
-        bad_src = -1
         for src, buf in enumerate(received):
             try:
-                ridx, rval = _unpairs(buf, x.dtype, lo, hi, f"oktopk: rank {src}'s chunk for rank {rank}")
+                ridx, rval = _unpairs(buf, x.dtype, lo, hi, f"oktopk: rank {src}'s chunk for rank {rank}",
+                                      cap=caps[rank])
             except WireFormatError:
                 bad_src = src  # reported to every rank in stage 3, so no rank goes on alone
                 break
@@ -221,13 +241,14 @@ class OkTopK(Strategy):
             kept, nonfinite = [], 0.0
             for owner, m in enumerate(messages):  # every rank reads the same bytes: all agree
                 if m.numel() < _HEADER:
-                    raise WireFormatError(f"oktopk: rank {owner}'s result of {m.numel()} bytes has no header")
+                    raise WireFormatError(f"oktopk: rank {owner}'s result of {m.numel()} bytes has no header",
+                                          peer=owner)
                 status, culprit = m[:8].clone().view(torch.int32).tolist()
                 if status != 0:
-                    raise WireFormatError(f"oktopk: rank {culprit} sent rank {owner} a malformed chunk")
+                    raise WireFormatError(f"oktopk: rank {culprit} sent rank {owner} a malformed chunk", peer=culprit)
                 nonfinite += float(m[8:12].clone().view(torch.float32))
                 oidx, oval = _unpairs(m[_HEADER:], x.dtype, bounds[owner], bounds[owner + 1],
-                                      f"oktopk: rank {owner}'s result")
+                                      f"oktopk: rank {owner}'s result", cap=caps[owner])
                 out[oidx] = oval
                 kept.append(oidx)
             if not math.isfinite(nonfinite):
@@ -248,7 +269,8 @@ class OkTopK(Strategy):
             self.stats.decode_s += time.perf_counter() - t4
             return out
 
-        return self.backend.allgatherv(message).then(finish)
+        most = _HEADER + max(limits)  # an owner's result: at most its region's cap of pairs
+        return self.backend.allgatherv(message, max_numel=most).then(finish)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "buckets": {n: vars(s).copy() for n, s in self.buckets.items()}}

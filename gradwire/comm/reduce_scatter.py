@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..compress import Ctx
 from ..errors import WireFormatError
 from .backend import Backend, Work
+from .framing import agree, packet_bound
 from .strategies import Segment, Strategy, split_message
 
 
@@ -82,6 +83,7 @@ class AlltoallReduceScatter(Strategy):
             messages.append(torch.cat([lengths.view(torch.uint8)] + packets))
         static = [c.static_size(seg.numel, x.dtype) for seg, c in zip(segments, codecs)]
         recv = None if None in static else [messages[rank].numel()] * world  # every rank's chunk is alike
+        bound = 8 * len(segments) + sum(packet_bound(c, seg.numel, x.dtype) for seg, c in zip(segments, codecs))
         t1 = time.perf_counter()
         self.stats.encode_s += t1 - t0
         sent_bytes = sum(m.numel() for j, m in enumerate(messages) if j != rank)
@@ -96,8 +98,11 @@ class AlltoallReduceScatter(Strategy):
                 raise failed
             total = torch.zeros(chunk, dtype=torch.float32, device=x.device)
             for r, m in enumerate(received):  # rank order: the same sum on every rank
-                pieces = own if r == rank else [c.decode(p, shape=(seg.numel,), dtype=x.dtype) for seg, c, p in
-                                                zip(segments, codecs, split_message(m, len(segments)))]
+                try:
+                    pieces = own if r == rank else [c.decode(p, shape=(seg.numel,), dtype=x.dtype) for seg, c, p in
+                                                    zip(segments, codecs, split_message(m, len(segments)))]
+                except WireFormatError as e:
+                    raise WireFormatError(f"reduce-scatter: rank {r}'s message to rank {rank}: {e}", peer=r) from e
                 for seg, piece in zip(segments, pieces):
                     seg.of(total).add_(piece.reshape(-1))
             if average:
@@ -105,22 +110,18 @@ class AlltoallReduceScatter(Strategy):
             self.stats.decode_s += time.perf_counter() - t2
             return total
 
-        decoded = self.backend.alltoall(messages, recv).then(finish)
+        # without static sizes, every rank's claims are checked against this rank's bound first
+        decoded = self.backend.alltoall(messages, recv, max_recv=bound).then(finish)
         return Work(wait=lambda: _agreed(self.backend, decoded, x.device))
 
 
 def _agreed(backend: Backend, decoded: Work[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The decoded chunk once every rank has decoded its own: unlike an allgather, each rank
-    reads different bytes here, so one tiny allreduce of an error flag makes a bad packet sent
+    reads different bytes here, so one tiny allreduce of error flags makes a bad packet sent
     to one rank raise WireFormatError on every rank (none goes on to the next collective alone)."""
     try:
         result, error = decoded.wait(), None
     except WireFormatError as e:
         result, error = None, e
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    backend.allreduce(flag).wait()
-    if error is not None:
-        raise error
-    if int(flag.item()):
-        raise WireFormatError(f"{int(flag.item())} rank(s) of this reduce-scatter received a malformed packet")
+    agree(backend, error, "reduce-scatter", device=device)
     return result  # type: ignore[return-value]

@@ -218,4 +218,4 @@ def sparse_allgather(backend: Backend, indices: torch.Tensor, values: torch.Tens
         unique, summed = merge_sparse(parts)
         return unique.to(device), summed.to(device)
 
-    return backend.allgatherv(buf).then(merge)
+    return backend.allgatherv(buf, max_numel=packed_size(numel, dtype)).then(merge)  # every index, at most

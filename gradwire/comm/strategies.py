@@ -29,6 +29,7 @@ import torch
 from ..compress import Compressor, Ctx, ErrorFeedback, compressor as make_compressor
 from ..errors import WireFormatError
 from .backend import Backend, Work
+from .framing import packet_bound
 
 
 @dataclass
@@ -317,6 +318,8 @@ class Allgather(Strategy):
         message = torch.cat([lengths.view(torch.uint8)] + packets)
         static = [c.static_size(seg.numel, x.dtype) for seg, c in zip(segs, codecs)]
         size = None if None in static else 8 * len(segs) + sum(static)  # type: ignore[operator]
+        # what a peer's message may hold at most, by this rank's own segments (checked before allocating)
+        bound = 8 * len(segs) + sum(packet_bound(c, seg.numel, x.dtype) for seg, c in zip(segs, codecs))
         t1 = time.perf_counter()
         self.stats.encode_s += t1 - t0
         world, rank = self.backend.world_size, self.backend.rank
@@ -329,17 +332,20 @@ class Allgather(Strategy):
             for r, m in enumerate(messages):  # rank order: bit-identical sums on every rank
                 # Every rank checks every message, its own included, against its own segments, so
                 # a bad packet makes all ranks raise WireFormatError here, none hangs or goes on.
-                parts = split_message(m, len(segs))
-                if r == rank and not torch.equal(m, message):
-                    raise WireFormatError(f"rank {rank}'s own message came back altered from the allgather")
-                for seg, c, packet in zip(segs, codecs, parts):  # added where sent: no dense decode
-                    c.add_decoded(packet, seg.of(total), shape=(seg.numel,), dtype=x.dtype)
+                try:
+                    parts = split_message(m, len(segs))
+                    if r == rank and not torch.equal(m, message):
+                        raise WireFormatError("this rank's own message came back altered from the allgather")
+                    for seg, c, packet in zip(segs, codecs, parts):  # added where sent: no dense decode
+                        c.add_decoded(packet, seg.of(total), shape=(seg.numel,), dtype=x.dtype)
+                except WireFormatError as e:
+                    raise WireFormatError(f"allgather: rank {r}'s message: {e}", peer=r) from e
             if average:
                 total.div_(world)
             self.stats.decode_s += time.perf_counter() - t2
             return total
 
-        return self.backend.gather_packets(message, size).then(finish)
+        return self.backend.gather_packets(message, size, bound).then(finish)
 
 
 def split_message(message: torch.Tensor, count: int) -> list[torch.Tensor]:

@@ -1,14 +1,35 @@
 """Backend over torch.distributed (gloo on CPU, NCCL on CUDA). Asynchronous: every
-collective returns a Work wrapping the collective's torch Future."""
+collective returns a Work wrapping the collective's torch Future.
+
+A collective that fails (a peer died, froze past the group's timeout, or reset its connection)
+turns into `CollectiveError` at `wait()`: every callback reads the collective's own result
+first, so a failed allreduce never hands back its unreduced buffer. Gathered and all-to-all
+chunks are framed (framing.py) and sizes travel as fixed-layout int64 tensors: nothing a peer
+sends is unpickled. Sub-groups inherit the group's timeout.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import datetime
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .backend import Backend, Work, check_same_dtype, dtype_code
+from ..errors import CollectiveError
+from .backend import Backend, Work, _Failed, check_alltoall_claims, check_same_dtype, dtype_code
+from .framing import TRAILER, as_bytes, check_claims, check_frames, framed
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
+    """The timeout the group's collectives run under (None when torch does not say)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or no options exposed
+            continue
+    return None
 
 
 class TorchDistBackend(Backend):
@@ -20,61 +41,124 @@ class TorchDistBackend(Backend):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.timeout = group_timeout(group)
+        # where small host-side exchanges (sizes, checks) live: NCCL moves device memory only
+        self.small_device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
+    def __repr__(self) -> str:
+        return f"TorchDistBackend(rank={self.rank}, world_size={self.world_size})"
+
+    # ---- failures ------------------------------------------------------------------
+    def _error(self, op: str, e: BaseException) -> CollectiveError:
+        return CollectiveError(f"{op} over a {self.world_size}-rank group failed on its rank {self.rank} "
+                               f"(global rank {dist.get_rank()}): {e}")
+
+    def _async(self, op: str, issue: Callable[[], Any], result: Callable[[], Any]) -> Work[Any]:
+        """Issue a collective; the Work holds `result()` once the collective succeeded, else the
+        CollectiveError (a step that raises, e.g. a frame check, hands its own error on)."""
+        try:
+            fut = issue().get_future()
+        except RuntimeError as e:  # the connection was already gone
+            raise self._error(op, e) from e
+
+        def step(f: torch.futures.Future) -> Any:
+            try:
+                f.value()
+            except Exception as e:  # noqa: BLE001 - the transport's error, named
+                return _Failed(self._error(op, e))
+            try:
+                return result()
+            except Exception as e:  # noqa: BLE001 - handed on unchanged to wait()
+                return _Failed(e)
+
+        return Work(future=fut.then(step))
+
+    # ---- collectives ---------------------------------------------------------------
     def allreduce(self, t: torch.Tensor) -> Work[torch.Tensor]:
-        fut = dist.all_reduce(t, group=self.group, async_op=True).get_future()
-        return Work(future=fut.then(lambda f: t))
+        return self._async("allreduce", lambda: dist.all_reduce(t, group=self.group, async_op=True), lambda: t)
 
     def allgather(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
-        outs = [torch.empty_like(t) for _ in range(self.world_size)]
-        fut = dist.all_gather(outs, t, group=self.group, async_op=True).get_future()
-        return Work(future=fut.then(lambda f: outs))
+        payload = as_bytes(t)
+        n = payload.numel()
+        send = framed(payload)
+        outs = [torch.zeros_like(send) for _ in range(self.world_size)]
 
-    def allgatherv(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
-        # Sizes first (one small blocking exchange), then a padded allgather.
-        size = torch.tensor([t.numel()], dtype=torch.int64, device=t.device)
-        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        counts = [int(s.item()) for s in sizes]
-        longest = max(counts)
-        padded = t if t.numel() == longest else torch.cat([t, t.new_zeros(longest - t.numel())])
-        return self.allgather(padded).then(lambda outs: [o[:n] for o, n in zip(outs, counts)])
+        def result() -> list[torch.Tensor]:
+            check_frames("allgather", outs, [n] * self.world_size)
+            return [o[:n].view(t.dtype) for o in outs]
 
-    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None) -> Work[list[torch.Tensor]]:
+        return self._async("allgather", lambda: dist.all_gather(outs, send, group=self.group, async_op=True), result)
+
+    def allgatherv(self, t: torch.Tensor, max_numel: int) -> Work[list[torch.Tensor]]:
+        # Sizes and dtypes first (one small blocking exchange), checked, then a padded allgather.
+        info = self.allgather_ints([t.numel(), dtype_code(t.dtype)])
+        check_same_dtype("allgatherv", [c for _, c in info])
+        counts = [n for n, _ in info]
+        check_claims("allgatherv", counts, int(max_numel))
+        item = t.element_size()
+        longest = max(counts) * item
+        send = framed(as_bytes(t), padded=longest)
+        outs = [torch.zeros_like(send) for _ in range(self.world_size)]
+
+        def result() -> list[torch.Tensor]:
+            check_frames("allgatherv", outs, [n * item for n in counts])
+            return [o[: n * item].view(t.dtype) for o, n in zip(outs, counts)]
+
+        return self._async("allgatherv", lambda: dist.all_gather(outs, send, group=self.group, async_op=True), result)
+
+    def alltoall(self, chunks: list[torch.Tensor], recv_counts: list[int] | None = None,
+                 max_recv: int | list[int] | None = None) -> Work[list[torch.Tensor]]:
         dtype = self._check_chunks(chunks)
         device = chunks[0].device
         send_counts = [c.numel() for c in chunks]
-        if recv_counts is None:  # (count, dtype) to every rank, one small blocking all-to-all
-            code = dtype_code(dtype)
-            mine = torch.tensor([[n, code] for n in send_counts], dtype=torch.int64, device=device).view(-1)
-            theirs = torch.empty_like(mine)
-            dist.all_to_all_single(theirs, mine, group=self.group)
-            pairs = theirs.view(-1, 2).tolist()
-            check_same_dtype("alltoall", [c for _, c in pairs])
-            recv_counts = [n for n, _ in pairs]
+        if recv_counts is None:
+            if max_recv is None:
+                raise ValueError("alltoall without recv_counts needs max_recv, the most elements a rank may send")
+            matrix = self.allgather_ints(send_counts + [dtype_code(dtype)])
+            check_alltoall_claims("alltoall", matrix, self.world_size, max_recv)
+            recv_counts = [row[self.rank] for row in matrix]
         elif len(recv_counts) != self.world_size:
             raise ValueError(f"alltoall needs one receive count per rank ({self.world_size}), got {len(recv_counts)}")
-        send = torch.cat([c.reshape(-1) for c in chunks])
-        out = torch.empty(sum(recv_counts), dtype=dtype, device=device)
-        fut = dist.all_to_all_single(out, send, list(recv_counts), send_counts, group=self.group,
-                                     async_op=True).get_future()
+        item = torch.empty((), dtype=dtype).element_size()
+        send = torch.cat([framed(as_bytes(c)) for c in chunks])
+        in_splits = [n * item + TRAILER for n in recv_counts]
+        out = torch.zeros(sum(in_splits), dtype=torch.uint8, device=device)
+        out_splits = [n * item + TRAILER for n in send_counts]
         counts = list(recv_counts)
-        return Work(future=fut.then(lambda f: list(torch.split(out, counts))))
+
+        def result() -> list[torch.Tensor]:
+            slots = list(torch.split(out, in_splits))
+            check_frames("alltoall", slots, [n * item for n in counts])
+            return [s[: n * item].view(dtype) for s, n in zip(slots, counts)]
+
+        return self._async("alltoall", lambda: dist.all_to_all_single(out, send, in_splits, out_splits,
+                                                                      group=self.group, async_op=True), result)
 
     def broadcast(self, t: torch.Tensor, src: int) -> Work[torch.Tensor]:
-        fut = dist.broadcast(t, src=dist.get_global_rank(self.group, src) if self.group else src,
-                             group=self.group, async_op=True).get_future()
-        return Work(future=fut.then(lambda f: t))
+        payload = as_bytes(t)
+        n = payload.numel()
+        buf = framed(payload) if self.rank == src else torch.zeros(n + TRAILER, dtype=torch.uint8, device=t.device)
+        root = dist.get_global_rank(self.group, src) if self.group else src
+
+        def result() -> torch.Tensor:
+            check_frames("broadcast", [buf], [n], ranks=[src])
+            if self.rank != src:
+                with torch.no_grad():
+                    t.copy_(buf[:n].view(t.dtype).view(t.shape))
+            return t
+
+        return self._async("broadcast", lambda: dist.broadcast(buf, src=root, group=self.group, async_op=True), result)
+
+    def allgather_ints(self, values: list[int]) -> list[list[int]]:
+        mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.small_device)
+        return [o.tolist() for o in self.allgather(mine).wait()]
 
     def split(self, color: int, key: int) -> "TorchDistBackend":
-        pairs = self.allgather_object((int(color), int(key)))
+        pairs = self.allgather_ints([int(color), int(key)])
         members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == int(color))
         ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r for _, r in members]
-        # only the members create their group, so the groups of other colors need not exist here
-        group = dist.new_group(ranks=ranks, use_local_synchronization=True, sort_ranks=False)
+        # only the members create their group, so the groups of other colors need not exist here;
+        # the sub-group fails within the parent's timeout, not torch's 30-minute default
+        group = dist.new_group(ranks=ranks, use_local_synchronization=True, sort_ranks=False, timeout=self.timeout)
         return TorchDistBackend(group)
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out

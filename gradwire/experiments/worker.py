@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import gradwire.hooks.ddp
+from ..comm.torch_dist import TorchDistBackend
 from .config import RunConfig
 from .tasks import Dataset, Task, digest, get_task
 
@@ -224,8 +225,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
     if tx_start is not None and tx_end is not None and rank % cfg.ranks_per_node == 0:
         totals["node_link_tx_bytes"] = tx_end - tx_start  # the node's first rank reports its node
     compute_ref = reference_compute(bare if cfg.engine != "ddp" else model, task, ds, loader)
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, totals)
+    per_rank = _gather_totals(totals)
     if records is not None:
         records.close()
     if rank != 0:
@@ -280,3 +280,12 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+_TOTALS = ("bytes_sent", "bytes_received", "dense_bytes", "intra_bytes_sent", "node_link_tx_bytes")
+
+
+def _gather_totals(totals: dict[str, int]) -> list[dict[str, int]]:
+    """Every rank's byte totals, as fixed-layout int64s (nothing unpickled; -1: a key not set)."""
+    rows = TorchDistBackend().allgather_ints([int(totals.get(k, -1)) for k in _TOTALS])
+    return [{k: v for k, v in zip(_TOTALS, row) if v >= 0 or k != "node_link_tx_bytes"} for row in rows]

@@ -51,12 +51,13 @@ import torch
 import torch.distributed as dist
 
 from ..comm.backend import Work
+from ..comm.framing import check_same_config
+from ..comm.hierarchical import launcher_ranks_per_node
 from ..comm.registry import make_strategy
 from ..comm.strategies import DenseAllreduce, Strategy, segments_of
 from ..comm.torch_dist import TorchDistBackend
 from ..compress import Ctx, compressor as make_compressor, resolve_error_feedback
 from ..compress.schedule import ratio_of, warmup_ratio, with_ratio
-from ..errors import ConfigMismatchError
 from .precondition import make_preconditioner
 
 
@@ -176,10 +177,12 @@ class GradwireState:
         return self._dense
 
     def _check_config(self) -> None:
-        prints = self.backend.allgather_object((self.fingerprint(), self.describe()))
-        if len({p for p, _ in prints}) > 1:
-            lines = "\n".join(f"  rank {r}: {d}" for r, (_, d) in enumerate(prints))
-            raise ConfigMismatchError(f"gradwire hook configs differ across ranks:\n{lines}")
+        """Every rank's config (and the launcher's node size, which `auto` and `hierarchical`
+        read) must match, checked over a fresh backend *before* the strategy is built: building
+        `auto` or `hierarchical` already runs collectives that mismatched ranks would hang in."""
+        check_same_config(TorchDistBackend(self.process_group),
+                          f"{self.describe()} ranks_per_node(launcher)={launcher_ranks_per_node()}",
+                          "gradwire hook configs")
         self._checked = True
 
     # ---- per-step bookkeeping --------------------------------------------------------

@@ -26,6 +26,7 @@ and all raise ConfigMismatchError if they differ.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import time
 import zlib
@@ -153,14 +154,21 @@ class FSDPGradwireState:
         return self._strategy
 
     def _check_config(self, shard_group: dist.ProcessGroup) -> None:
-        """Every rank learns every rank's fingerprint: over the shard group, then (HSDP) what each
-        shard group saw over the replicate group, which reaches the whole 2-D mesh."""
-        prints = TorchDistBackend(shard_group).allgather_object([(dist.get_rank(), self.fingerprint(), self.describe())])
-        prints = [p for part in prints for p in part]
+        """Every rank learns every rank's config digest: over the shard group, then (HSDP) what
+        each shard group saw over the replicate group, which reaches the whole 2-D mesh. Fixed-layout
+        integers and text only: nothing a peer sends is unpickled."""
+        desc = self.describe()
+        digest = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little", signed=True)
+        shard = TorchDistBackend(shard_group)
+        pairs = [v for row in shard.allgather_ints([dist.get_rank(), digest]) for v in row]
+        members = pairs[0::2]  # this shard group's global ranks
         if self.hsdp:
-            prints = [p for part in TorchDistBackend(self.replicate_group).allgather_object(prints) for p in part]
-        if len({fp for _, fp, _ in prints}) > 1:
-            lines = "\n".join(f"  rank {r}: {d}" for r, _, d in sorted(set(prints)))
+            replicate = TorchDistBackend(self.replicate_group)
+            pairs = [v for row in replicate.allgather_ints(pairs) for v in row]
+        if len(set(pairs[1::2])) > 1:  # every rank saw the same pairs: all take this branch together
+            lines = "\n".join(f"  rank {r}: {d}" for r, d in zip(members, shard.allgather_text(desc)))
+            if self.hsdp:
+                lines = "\n".join(replicate.allgather_text(lines, limit=8192))
             raise ConfigMismatchError(f"gradwire FSDP hook configs differ across ranks:\n{lines}")
         self._checked = True
 
@@ -261,7 +269,7 @@ class DCPState:
         blob = sd[self.key]
         if not blob:
             raise ValueError(f"the checkpoint holds no gradwire state for {self.key}")
-        self.state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
+        self.state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))  # tensors and plain data only
 
 
 class _CompressedReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]

@@ -39,7 +39,7 @@ def digest(*tensors: torch.Tensor) -> str:
 
 def same_on_all_ranks(backend: Any, what: str, *tensors: torch.Tensor) -> None:
     """Assert the tensors are bit-identical on every rank."""
-    digests = backend.allgather_object(digest(*tensors))
+    digests = backend.allgather_text(digest(*tensors))
     assert len(set(digests)) == 1, f"{what} differs across ranks: {digests}"
 
 

@@ -68,7 +68,7 @@ def allgatherv_unequal_counts(b) -> None:
                        [5 if r == world - 1 else 0 for r in range(world)],
                        [7 - r for r in range(world)]):                # odd byte offsets
             mine = contribution(b.rank, counts[b.rank], dtype)
-            parts = b.allgatherv(mine).wait()
+            parts = b.allgatherv(mine, max(counts)).wait()
             assert len(parts) == world
             for r, p in enumerate(parts):
                 bits_equal(p, contribution(r, counts[r], dtype), f"allgatherv {dtype} counts={counts} part {r}")
@@ -78,7 +78,7 @@ def allgatherv_unequal_counts(b) -> None:
 def allgatherv_dtype_mismatch_raises_everywhere(b) -> None:
     t = torch.zeros(2, dtype=torch.float32 if b.rank == 0 else torch.float16)
     try:
-        b.allgatherv(t)
+        b.allgatherv(t, 2)
     except ValueError as e:
         assert "dtype" in str(e), e
         return
@@ -100,7 +100,7 @@ def alltoall_unequal_counts(b) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int64):
         chunks = [alltoall_chunk(b.rank, dst, dtype) for dst in range(world)]
         for recv_counts in (None, [alltoall_count(src, b.rank) for src in range(world)]):  # exchanged, static
-            parts = b.alltoall(chunks, recv_counts).wait()
+            parts = b.alltoall(chunks, recv_counts, max_recv=1000).wait()
             assert len(parts) == world
             for src, p in enumerate(parts):
                 bits_equal(p, alltoall_chunk(src, b.rank, dtype), f"alltoall {dtype} from {src}")
@@ -110,7 +110,7 @@ def alltoall_unequal_counts(b) -> None:
 def alltoall_dtype_mismatch_raises_everywhere(b) -> None:
     dtype = torch.float32 if b.rank == 0 else torch.float16
     try:
-        b.alltoall([torch.zeros(2, dtype=dtype) for _ in range(b.world_size)])
+        b.alltoall([torch.zeros(2, dtype=dtype) for _ in range(b.world_size)], max_recv=2)
     except ValueError as e:
         assert "dtype" in str(e), e
         return
@@ -146,7 +146,7 @@ def nonblocking_waits_in_any_order(b) -> None:
     x = torch.full((1000,), float(b.rank + 1))
     y = contribution(b.rank, b.rank, torch.float32)
     z = torch.arange(8, dtype=torch.int64) * (b.rank + 1)
-    wx, wy, wz = b.allreduce(x), b.allgatherv(y), b.broadcast(z, 0)
+    wx, wy, wz = b.allreduce(x), b.allgatherv(y, 1 << 20), b.broadcast(z, 0)
     bits_equal(wz.wait(), torch.arange(8, dtype=torch.int64), "broadcast (waited first)")
     for r, p in enumerate(wy.wait()):
         bits_equal(p, contribution(r, r, torch.float32), f"allgatherv part {r}")

@@ -175,13 +175,18 @@ def state_dict_round_trip_continues_bit_identically(b) -> None:
 
 @check
 def config_mismatch_raises_everywhere(b) -> None:
-    ex = GradientExchanger("none", backend=b, seed=b.rank)  # seeds differ
-    try:
-        ex.exchange_([torch.ones(4)])
+    try:  # checked when the exchangers are built, before any strategy runs a collective
+        GradientExchanger("none", backend=b, seed=b.rank)  # seeds differ
     except ConfigMismatchError as e:
         assert "seed" in str(e)
     else:
         raise AssertionError("different seeds should raise ConfigMismatchError on every rank")
+    try:
+        GradientExchanger("topk:k=1", backend=b, strategy="auto" if b.rank == 0 else "allgather")
+    except ConfigMismatchError as e:
+        assert "auto" in str(e)
+    else:
+        raise AssertionError("auto against allgather should raise ConfigMismatchError on every rank")
     ex = GradientExchanger("none", backend=b)
     try:
         ex.exchange_([torch.ones(4 + (b.rank == 0))])  # layouts differ
@@ -210,8 +215,8 @@ class _Forging:
         packet = gradwire.compressor("topk:k=1").encode(torch.tensor([100.0])).tensor()
         return torch.cat([torch.tensor([packet.numel()]).view(torch.uint8), packet])
 
-    def gather_packets(self, packet: torch.Tensor, static_size):
-        return self.b.gather_packets(self._forge(packet), static_size)
+    def gather_packets(self, packet: torch.Tensor, static_size, max_size):
+        return self.b.gather_packets(self._forge(packet), static_size, max_size)
 
 
 @check
