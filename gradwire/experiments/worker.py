@@ -278,10 +278,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
-
 _TOTALS = ("bytes_sent", "bytes_received", "dense_bytes", "intra_bytes_sent", "node_link_tx_bytes")
 
 
@@ -289,3 +285,8 @@ def _gather_totals(totals: dict[str, int]) -> list[dict[str, int]]:
     """Every rank's byte totals, as fixed-layout int64s (nothing unpickled; -1: a key not set)."""
     rows = TorchDistBackend().allgather_ints([int(totals.get(k, -1)) for k in _TOTALS])
     return [{k: v for k, v in zip(_TOTALS, row) if v >= 0 or k != "node_link_tx_bytes"} for row in rows]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
