@@ -20,7 +20,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 from multiproc import run_ranks  # noqa: E402
 
 from gradwire import Ctx  # noqa: E402

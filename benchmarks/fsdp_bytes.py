@@ -22,7 +22,7 @@ import sys
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 from multiproc import run_ranks  # noqa: E402
 
 FLAT = [("dense", "none", {}), ("int8", "int8", {}), ("fp8", "fp8", {}), ("topk 1%", "topk:ratio=0.01", {})]

@@ -30,7 +30,7 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 from multiproc import run_ranks  # noqa: E402
 
 START = 2  # the iteration at which both PowerSGD hooks start compressing

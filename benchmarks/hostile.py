@@ -5,7 +5,7 @@
 Every measurement runs in a child process under RLIMIT_AS (2.5 GB by default), so a bomb
 ends in MemoryError instead of swapping the machine. "before" runs the same corpus and
 probes with an older checkout's code on PYTHONPATH (its `decode(buf)`, no expectations).
-Reports: the hostile corpus (tests/hostile/corpus.json, every packet < 1 KB) per class,
+Reports: the hostile corpus (tests/compress/hostile/corpus.json, every packet < 1 KB) per class,
 a one-index sparse packet declaring the largest numel each version lets through
 standalone, and `merge_sparse` over 1M pairs of one index (a 12 MB message).
 """
@@ -21,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNNER = ROOT / "tests" / "hostile" / "run_corpus.py"
+RUNNER = ROOT / "tests" / "compress" / "hostile" / "run_corpus.py"
 
 # A threshold packet (80 bytes) with one index and a declared numel of 2**EXP, decoded standalone.
 PROBE = r"""

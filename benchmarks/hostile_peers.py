@@ -1,5 +1,5 @@
 """What an honest rank sees when a peer lies, dies or freezes: the error, how soon, and how much
-its peak memory grew. Runs the scenarios of tests/test_hostile_peers.py and tests/test_faults.py
+its peak memory grew. Runs the scenarios of tests/comm/test_hostile_peers.py and tests/comm/test_faults.py
 on real gloo ranks and prints one markdown row per case (the worst honest rank).
 
     python benchmarks/hostile_peers.py
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 import test_faults as faults  # noqa: E402
 import test_hostile_peers as hostile  # noqa: E402
 from multiproc import run_ranks  # noqa: E402

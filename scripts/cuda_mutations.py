@@ -54,7 +54,7 @@ MUTATIONS = [
     # only ThreadSanitizer sees this one: no schedule interleaves a read-modify-write
     ("shared-add-not-atomic", "select.cu",
      "atomicAdd(&h[bin], (u32)__popc(peers));", "h[bin] += (u32)__popc(peers);", "tsan:topk"),
-    # the fused error-feedback kernels (feedback.cu; "ef:" runs tests/test_cuda_feedback.py)
+    # the fused error-feedback kernels (feedback.cu; "ef:" runs tests/cuda/test_cuda_feedback.py)
     ("ef-keep-ignores-flag", "feedback.cu", "    if (ok[0]) return;\n", "", "ef:matches_cpu and int8"),
     ("ef-corrected-not-stored", "feedback.cu", "        out[i] = c;\n        return Elem<DT>::load(c);",
      "        return Elem<DT>::load(c);", "ef:matches_cpu and int8"),
@@ -84,11 +84,11 @@ def run(kernels: Path, select: str) -> tuple[bool, str, float]:
     """(suite failed, first failure line, seconds). `select` "tsan:EXPR" runs the TSan pass."""
     env = dict(os.environ, GRADWIRE_EMULATOR_KERNELS=str(kernels), PYTHONPATH=str(ROOT))
     if select.startswith("tsan:"):
-        tests, expr = "tests/test_cuda_tsan.py", f"race_free and ({select[5:]})"
+        tests, expr = "tests/cuda/test_cuda_tsan.py", f"race_free and ({select[5:]})"
     elif select.startswith("ef:"):
-        tests, expr = "tests/test_cuda_feedback.py", f"emu and ({select[3:]})"
+        tests, expr = "tests/cuda/test_cuda_feedback.py", f"emu and ({select[3:]})"
     else:
-        tests, expr = "tests/test_cuda_parity.py", f"emu and (byte_identical or within_tolerance) and not 1000003 and ({select})"
+        tests, expr = "tests/cuda/test_cuda_parity.py", f"emu and (byte_identical or within_tolerance) and not 1000003 and ({select})"
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", tests, "-k", expr]
     t = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

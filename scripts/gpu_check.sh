@@ -21,7 +21,7 @@ python -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__
 python -c "import importlib.util as u; print('nvcomp', bool(u.find_spec('nvidia.nvcomp')), 'zstandard', bool(u.find_spec('zstandard')))" \
     | tee -a "$DEST/env.txt"
 
-timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_parity.py tests/test_cuda_feedback.py \
+timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/cuda/test_cuda_parity.py tests/cuda/test_cuda_feedback.py \
     --junitxml="$DEST/gpu_tests.xml" > "$DEST/gpu_tests.log" 2>&1
 tests_rc=$?
 tail -25 "$DEST/gpu_tests.log"

@@ -5,7 +5,7 @@ passes, and a residual written into a spare buffer pays for reading it before th
 These loops run a whole update in one pass with the same float32 operations in the same
 order as the torch code they stand in for. LLVM contracts ``a * b + c`` into a fused
 multiply-add only under fast-math flags, and numba sets none, so the results are the torch
-path's bit for bit (tests/test_compiled.py compares both paths).
+path's bit for bit (tests/compress/test_compiled.py compares both paths).
 
 `loops()` returns the compiled functions, or None when numba cannot be imported.
 `enabled()` says whether callers should use them now: not with ``GRADWIRE_COMPILED=0``,

@@ -15,7 +15,7 @@ allocated (on the CPU a fresh 100 MB tensor costs more page faults than the arit
 What the packet decodes to is subtracted by the compressor (`encode_residual`, or the
 pieces of `encode_sent` for DGC): only at the sent positions for sparsifiers, inside the
 encode tiles for quantizers; finiteness is checked there too (`finite.py`). The results are
-bit for bit those of the plain formulas above (tests/feedback_oracle.py keeps them). On
+bit for bit those of the plain formulas above (tests/support/feedback_oracle.py keeps them). On
 CUDA tensors the same steps are fused kernels (gradwire/cuda/kernels/feedback.cu). On the
 CPU with one torch thread, compiled loops (`compiled`) do the quantizers' subtraction and
 DGC's update in one pass each. DGC then updates u and v in place: a bound on |g|, |u| and

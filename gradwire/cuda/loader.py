@@ -3,7 +3,7 @@
 Each `.cu` file under `kernels/` is compiled once per process by `cupy.RawModule` with
 every template instantiation listed in `INSTANTIATIONS` (CuPy's disk cache keeps the
 binary across processes). The same list drives the CPU-only compile check
-(`tests/test_cuda_compile.py`), so what CI compiles is what the loader loads.
+(`tests/cuda/test_cuda_compile.py`), so what CI compiles is what the loader loads.
 """
 
 from __future__ import annotations
