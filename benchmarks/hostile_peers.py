@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
+for _folder in ("support", "comm"):  # the shared helpers, and the test modules whose scenarios run here
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", _folder))
 import test_faults as faults  # noqa: E402
 import test_hostile_peers as hostile  # noqa: E402
 from multiproc import run_ranks  # noqa: E402

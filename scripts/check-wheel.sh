@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Test what users install: build gradwire's wheel, install it (not editable) into a fresh venv that
 # reuses this Python's torch and other packages, and run a 2-rank smoke experiment from an empty
-# folder that is not the checkout. Fails if the wheel ships anything but `gradwire` at top level,
+# folder that is not the checkout. Fails if the wheel ships anything but `gradwire` at top level
+# or any path naming the CUDA emulator (a test tool: tools/cuda_emulator),
 # if the venv imports gradwire from anywhere but its own site-packages, or if the report, plot or
 # CSV is missing where the relative --out points.
 set -euo pipefail
@@ -20,6 +21,10 @@ case "$tops" in
   "gradwire gradwire-"*".dist-info") ;;
   *) echo "check-wheel: the wheel installs more than gradwire at top level: $tops" >&2; exit 1 ;;
 esac
+emulator=$("$PY" -c 'import sys, zipfile; print(" ".join(n for n in zipfile.ZipFile(sys.argv[1]).namelist() if "emulator" in n))' "$wheel")
+if [ -n "$emulator" ]; then
+  echo "check-wheel: the wheel ships the CUDA emulator, a test tool (tools/cuda_emulator): $emulator" >&2; exit 1
+fi
 
 "$PY" -m venv --system-site-packages "$work/venv"
 venv_py="$work/venv/bin/python"

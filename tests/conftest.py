@@ -9,8 +9,11 @@ import pytest
 import torch
 
 # shared helpers (multiproc, adversary, tensors, ...) import by name from every test folder and
-# from the ranks the tests spawn (which inherit sys.path)
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+# from the ranks the tests spawn (which inherit sys.path); tools/ holds development tools that are
+# not in the wheel (the CUDA emulator)
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT / "tools"))
+sys.path.insert(0, str(_ROOT / "tests" / "support"))
 
 
 @pytest.fixture

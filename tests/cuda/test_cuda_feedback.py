@@ -128,7 +128,7 @@ _DECODERS = ("decode", "scatter", "cast_kernel", "fill_sentinel")
 
 def host(t: torch.Tensor) -> torch.Tensor:
     """The CPU tensor holding an emulated tensor's bytes (its data_ptr is the device pointer's stand-in)."""
-    from gradwire.cuda.emulator.device import host as emu_host
+    from cuda_emulator.device import host as emu_host
 
     return emu_host(t)
 

@@ -1,7 +1,7 @@
 """GPU packets against the CPU reference, on a GPU and under the CPU emulator of the kernels.
 
 Every test runs on each backend: `gpu` (marker `gpu`; needs CUDA and CuPy) and the
-emulator (gradwire/cuda/emulator: the same kernel text compiled by g++, the same
+emulator (tools/cuda_emulator: the same kernel text compiled by g++, the same
 `gradwire.cuda.ops` launch sequence, grids and arguments, on an emulated `cuda:0` whose
 bytes live in CPU memory) under two thread/block schedules, lowest-first and seeded
 random (which also splits `__activemask()` sets). The emulator runs on CPU-only torch
@@ -30,9 +30,9 @@ import gradwire
 from gradwire.compress import lossless
 from gradwire.compress.base import Ctx
 from gradwire.compress.wire import Kind, parse
-from gradwire.cuda import emulator
 from gradwire.errors import WireFormatError
 
+import cuda_emulator
 from tensors import bits
 
 
@@ -45,7 +45,7 @@ def _has_cupy() -> bool:
 
 
 GPU = torch.cuda.is_available() and _has_cupy()
-EMU = emulator.available() and not torch.backends.cuda.is_built()
+EMU = cuda_emulator.available() and not torch.backends.cuda.is_built()
 # GPU rows exist only where they can run, so a CI machine lists no skipped GPU copies
 BACKENDS = (("gpu",) if GPU else ()) + ("emu-lowest", "emu-random")
 _MARKS = {"gpu": [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CUDA and CuPy")],
@@ -87,7 +87,7 @@ def emu_size(n: int, dtype: torch.dtype = torch.float32) -> bool:
 class Backend:
     """What a test needs from the device beyond `.cuda()`: counting host synchronizations."""
 
-    def __init__(self, emu: "emulator.device.EmulatedDevice | None"):
+    def __init__(self, emu: "cuda_emulator.device.EmulatedDevice | None"):
         self.emu = emu
 
     @contextlib.contextmanager
@@ -116,7 +116,7 @@ def dev(request):
     if backend == "gpu":
         yield Backend(None)
         return
-    from gradwire.cuda.emulator.device import EmulatedDevice
+    from cuda_emulator.device import EmulatedDevice
 
     schedule = "lowest" if backend == "emu-lowest" else f"random:{zlib.crc32(request.node.nodeid.encode())}"
     with EmulatedDevice(schedule) as d:

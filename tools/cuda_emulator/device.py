@@ -4,8 +4,8 @@ compressors take their CUDA dispatch paths) and keep their bytes in CPU memory.
 Inside `EmulatedDevice()`, a torch dispatch mode runs every op on the CPU tensors behind
 the wrappers and wraps the results again; factories asked for `cuda` allocate on the CPU
 (uninitialised ones are filled with a poison byte, as fresh device memory holds garbage),
-and kernel launches go to the emulator (gradwire/cuda/launch.py) with the same grids and
-arguments as on a GPU. Device-to-host transfers (`.cpu()`, `.item()`, copies into host
+and kernel launches go to the emulator (launcher.py, plugged into gradwire/cuda/launch.py)
+with the same grids and arguments as on a GPU. Device-to-host transfers (`.cpu()`, `.item()`, copies into host
 tensors) are counted in `host_reads`: the emulated counterpart of torch's sync debug mode;
 device allocations can be listed (`count_allocations`), to show a step makes no full-size one.
 What it does not model: streams (everything runs in program order) and pinned memory.
@@ -24,8 +24,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from .. import launch, loader
+from gradwire.cuda import launch, loader
+
 from .build import guard_library
+from .launcher import EmulatorLauncher
 from .module import Schedule
 
 DEVICE = torch.device("cuda", 0)
@@ -148,11 +150,11 @@ class EmulatedDevice:
 
     def __init__(self, schedule: Schedule | str = "lowest", source=None, sms: int = 2, tsan: bool = False):
         self.schedule = Schedule.parse(schedule) if isinstance(schedule, str) else schedule
-        if source is None and os.environ.get("GRADWIRE_EMULATOR_KERNELS"):  # a planted copy (scripts/cuda_mutations.py)
+        if source is None and os.environ.get("GRADWIRE_EMULATOR_KERNELS"):  # a planted copy (mutations.py)
             kernel_dir = Path(os.environ["GRADWIRE_EMULATOR_KERNELS"])
             source = functools.partial(loader.source, kernel_dir=kernel_dir)
         kw = {} if source is None else {"source": source}
-        self.launcher = launch.EmulatorLauncher(self.schedule, sms=sms, host=host, tsan=tsan, **kw)
+        self.launcher = EmulatorLauncher(self.schedule, sms=sms, host=host, tsan=tsan, **kw)
         self.host_reads = 0
         self.allocations: list[int] | None = None  # bytes of each device allocation, while counted
         self._stack = contextlib.ExitStack()

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from gradwire.cuda import emulator
-from gradwire.cuda.emulator import EmulatorError, Schedule
+import cuda_emulator
+from cuda_emulator import EmulatorError, Schedule
 
-pytestmark = pytest.mark.skipif(not emulator.available(), reason="the emulator needs g++ on x86-64 Linux")
+pytestmark = pytest.mark.skipif(not cuda_emulator.available(), reason="the emulator needs g++ on x86-64 Linux")
 
 SCHEDULES = [Schedule("lowest"), Schedule("highest"), Schedule("random", 1), Schedule("random", 2)]
 
@@ -180,7 +180,7 @@ NAMES = ("block_sum", "block_sum_no_barrier", "divergent_barrier", "half_mask", 
 
 @pytest.fixture(scope="module")
 def mod():
-    return emulator.load("emulator_semantics", SOURCE, NAMES)
+    return cuda_emulator.load("emulator_semantics", SOURCE, NAMES)
 
 
 def i64(v: int) -> np.int64:
@@ -326,7 +326,7 @@ def test_two_builds_of_one_source_do_not_share_shared_memory(mod):
     """-fno-gnu-unique -fvisibility=hidden: GCC would otherwise emit a template's local
     statics as STB_GNU_UNIQUE, binding the second library's to the first one's (even under
     RTLD_LOCAL), so its poisoning would miss them and the first one's 7s would show."""
-    other = emulator.load("emulator_semantics_copy", SOURCE + "// another build\n", NAMES)
+    other = cuda_emulator.load("emulator_semantics_copy", SOURCE + "// another build\n", NAMES)
     assert other.path != mod.path
     out = torch.zeros(64, dtype=torch.int32)
     mod.get_function("read_uninit_shared_t<1>")(1, 64, (out,))  # leaves 7 in this library's array

@@ -10,8 +10,8 @@ tests (the error-feedback tests, or the TSan pass) against the copy
 (GRADWIRE_EMULATOR_KERNELS) until the first failure. A mutation that survives the whole
 selection fails the check.
 
-    python scripts/cuda_mutations.py            # all mutations
-    python scripts/cuda_mutations.py -k scan    # those whose name contains "scan"
+    python tools/cuda_emulator/mutations.py            # all mutations
+    python tools/cuda_emulator/mutations.py -k scan    # those whose name contains "scan"
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 KERNELS = ROOT / "gradwire" / "cuda" / "kernels"
 
 # (name, file, text to replace (must occur), replacement, which tests to run)

@@ -1,5 +1,5 @@
 // A device guard for CUDA on a CPU-only torch build, so tensors that say `cuda:0` (the
-// emulated device, gradwire/cuda/emulator/device.py) pass torch's device guards: one device,
+// emulated device, tools/cuda_emulator/device.py) pass torch's device guards: one device,
 // index 0, the default stream, nothing to switch. Registered only when torch has none.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 namespace {

@@ -92,7 +92,7 @@ struct Fiber {
 #endif
 };
 
-struct Desc {  // filled by the Python side (gradwire/cuda/emulator/module.py)
+struct Desc {  // filled by the Python side (tools/cuda_emulator/module.py)
     unsigned grid[3], block[3];
     int sched;
     int split;  // randomly split __activemask groups in two
@@ -861,5 +861,5 @@ static inline float atomicAdd(float* p, float v) { return gw_atomic_fadd(p, v); 
 static inline double atomicAdd(double* p, double v) { return gw_atomic_fadd(p, v); }
 
 // Entry points the Python side calls (one pair per kernel instantiation, appended after the
-// kernel text by gradwire/cuda/emulator/module.py).
+// kernel text by tools/cuda_emulator/build.py).
 #define GW_EXPORT extern "C" __attribute__((visibility("default")))
