@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from gradwire.compress import sparse
+from gradwire.compress import select
 
 
 def _fastest(reps: int, fn) -> tuple[float, torch.Tensor]:
@@ -38,12 +38,12 @@ def main() -> None:
     print(f"{args.numel:,} fp32 elements, 1 thread, fastest of {args.reps}, thread clock")
     print(f"{'density':>8s} {'count':>11s} {'NumPy ms':>9s} {'compiled ms':>12s}")
     for density in (0.001, 0.01, 0.05, 0.2, 0.5):
-        key = sparse._ceil_key(float(torch.quantile(sample, 1 - density)), torch.float32)
+        key = select.ceil_key(float(torch.quantile(sample, 1 - density)), torch.float32)
         times = {}
         found = {}
         for path in ("0", "1"):
             os.environ["GRADWIRE_COMPILED"] = path
-            times[path], found[path] = _fastest(args.reps, lambda: sparse._candidates(x, key))
+            times[path], found[path] = _fastest(args.reps, lambda: select.candidates(x, key))
         assert torch.equal(found["0"], found["1"]), "the two paths found different candidates"
         print(f"{density:8.3f} {found['1'].numel():11,d} {times['0'] * 1e3:9.1f} {times['1'] * 1e3:12.1f}")
 

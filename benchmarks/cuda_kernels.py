@@ -22,7 +22,7 @@ import torch
 
 from gradwire import Ctx, compressor
 from gradwire.compress import rng
-from gradwire.compress.sparse import _ceil_key
+from gradwire.compress.select import ceil_key
 from gradwire.cuda import entropy, ops
 
 SIZES = (1 << 20, 1 << 24, 1 << 28)
@@ -62,7 +62,7 @@ def cases(x: torch.Tensor):
     planes = torch.empty(inb, dtype=torch.uint8, device=x.device)
     ops.split_planes(x, planes)
     thr = torch.sort(x.float().abs()[:: max(1, n // 100_000)]).values
-    tkey = _ceil_key(float(thr[int(0.99 * (thr.numel() - 1))]), x.dtype)
+    tkey = ceil_key(float(thr[int(0.99 * (thr.numel() - 1))]), x.dtype)
     yield "cast", lambda: ops.cast(x, other), inb + n * torch.empty((), dtype=other).element_size()
     yield "fp8 encode (e4m3)", lambda: ops.fp8_encode(x, 1024, False, 448.0, torch.float8_e4m3fn), inb + n
     yield "fp8 decode", lambda: ops.fp8_decode(fp8[1], fp8[0], 1024, False, x.dtype), n + inb

@@ -18,7 +18,8 @@ import torch
 
 import gradwire
 from gradwire import Ctx
-from gradwire.compress import alloc, sparse, wire
+from gradwire.compress import alloc, select, wire
+from gradwire.compress.sparse import randomk
 
 
 def main() -> None:
@@ -42,8 +43,8 @@ def main() -> None:
     for rep in range(args.reps):
         ctx = Ctx(step=rep, key=1)
         idx = timed("encode: draw", lambda: c._draw(n, k, c._key(ctx), x.device)[0])
-        timed("encode: gather", lambda: sparse._gather(x, idx))
-        timed("encode: sentinel (min/max pass)", lambda: sparse._sentinel(x))
+        timed("encode: gather", lambda: select.gather(x, idx))
+        timed("encode: sentinel (min/max pass)", lambda: randomk._sentinel(x))
         buf = timed("encode", lambda: c.encode(x, ctx)).tensor()
         pk = timed("decode: parse and checks", lambda: wire.parse(buf))
         c.check_header(pk, None)

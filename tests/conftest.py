@@ -19,9 +19,10 @@ sys.path.insert(0, str(_ROOT / "tests" / "support"))
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of a few hundred elements, so small tensors take the multi-tile paths."""
-    from gradwire.compress import casts, feedback, quantize
+    from gradwire.compress import casts, feedback
+    from gradwire.compress.quantize import tiles
 
-    monkeypatch.setattr(quantize, "TILE", 512)
+    monkeypatch.setattr(tiles, "TILE", 512)
     monkeypatch.setattr(casts, "_TILE", 300)
     monkeypatch.setattr(feedback, "_TILE", 256)
 

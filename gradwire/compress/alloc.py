@@ -1,8 +1,8 @@
 """Where a CPU decode writes: the caller's `out` as it is, else a fresh tensor on huge pages.
 
-A fresh 100 MB tensor costs ~25k page faults the first time it is written (about 60 ms on
-the 2-core test VM: more than decoding into it). Where the kernel offers transparent huge
-pages (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``), fresh
+A fresh 100 MB tensor costs ~25k page faults the first time it is written (more time than
+decoding into it). Where the kernel offers transparent huge pages
+(``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``), fresh
 outputs of at least `MIN_BYTES` are an anonymous mapping advised ``MADV_HUGEPAGE``: 2 MiB
 pages, 512x fewer faults (the kernel zero-fills them). The tensor owns its mapping, which
 is unmapped with it; unlike torch's allocations its storage cannot be resized. Set
@@ -33,7 +33,7 @@ def _thp() -> bool:
 
 
 def _mapped(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if not (ENABLED and nbytes >= MIN_BYTES and _thp()):
         return None
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

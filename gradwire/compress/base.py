@@ -14,7 +14,8 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 
 from ..errors import WireFormatError
-from . import wire
+from . import names, wire
+from .finite import parts_finite
 from .wire import FLOAT_DTYPES, Kind, Packet, Section
 
 
@@ -127,9 +128,27 @@ class Compressor:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Compressor":
-        from .registry import from_config
+        """Inverse of `get_config()`. On a compressor's class, that compressor (a config naming
+        another one raises ValueError); on `Compressor` itself or an abstract base (no
+        `name`), whichever registered subclass (or chain) the config names."""
+        if not isinstance(config, dict) or "name" not in config:
+            raise ValueError(f"a compressor config is a dict with a 'name', got {config!r}")
+        fields = dict(config)
+        name = fields.pop("name")
+        own = getattr(cls, "name", None)
+        if own is None:
+            named = names.config_class(name)
+            if not issubclass(named, cls):
+                raise ValueError(f"{cls.__name__}.from_config: {name!r} is not a {cls.__name__}")
+            return named.from_config(config)
+        if name != own:
+            raise ValueError(f"{cls.__name__}.from_config: the config names {name!r}, not {own!r}")
+        return cls._from_fields(fields)
 
-        return from_config(config)
+    @classmethod
+    def _from_fields(cls, fields: dict[str, Any]) -> "Compressor":
+        """This class from a config's fields (its "name" already checked)."""
+        return cls(**fields)
 
     def __str__(self) -> str:
         args = [f"{p.name}={_fmt(self._config[p.name])}" for p in self.params
@@ -193,8 +212,6 @@ class Compressor:
         Only the pieces' positions are checked: elsewhere the residual is the input, and a
         non-finite input element decodes non-finite somewhere (the rule every compressor
         keeps for AMP), which makes the residual there non-finite too."""
-        from .finite import parts_finite
-
         if residual is None:
             out.copy_(x)
         else:

@@ -26,7 +26,7 @@ class _Cast(Compressor):
         return self.wire_dtype or dtype
 
     def _section_sizes(self, numel: int, dtype: torch.dtype) -> list[int]:
-        return [numel * torch.empty((), dtype=self._dtype(dtype)).element_size()]
+        return [numel * self._dtype(dtype).itemsize]
 
     def _encode(self, flat: torch.Tensor, ctx: Ctx) -> list[Section]:
         return [Section(Kind.DATA, _to(flat, self._dtype(flat.dtype)))]  # encode() copies it into the packet

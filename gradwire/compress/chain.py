@@ -15,9 +15,11 @@ import torch
 from ..errors import WireFormatError
 from . import wire
 from .base import Compressor, Ctx, Piece, _add_pieces, check_expected, check_input, deliver
+from .names import register_composite
 from .wire import Kind, Packet, Section
 
 
+@register_composite
 class Chain(Compressor):
     name = "chain"
     codec_id = 0  # never on the wire: the outer packet carries its last stage's codec
@@ -62,6 +64,11 @@ class Chain(Compressor):
     def get_config(self) -> dict:
         return {"name": "chain", "stages": [s.get_config() for s in self.stages]}
 
+    @classmethod
+    def _from_fields(cls, fields: dict) -> "Chain":
+        """The chain of the stages' configs (each whichever compressor it names)."""
+        return cls([Compressor.from_config(c) for c in fields.pop("stages")])
+
     def static_size(self, numel: int, dtype: torch.dtype = torch.float32, shape: tuple[int, ...] | None = None) -> int | None:
         if self.lossless is not None:
             return None
@@ -72,8 +79,7 @@ class Chain(Compressor):
         inner = self.value_stage.static_size(k, dtype)
         if inner is None:
             return None
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return base - wire.align(k * itemsize) + inner
+        return base - wire.align(k * dtype.itemsize) + inner
 
     def encode(self, x: torch.Tensor, ctx: Ctx | None = None) -> Packet:
         return self.encode_sent(x, ctx)[0]

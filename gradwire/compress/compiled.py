@@ -53,6 +53,7 @@ def np_view(t: torch.Tensor):
 
 
 def _define() -> SimpleNamespace:
+    # imported here, on first use: numba's import is slow, and gradwire runs without it
     import numba
     import numpy as np
 
@@ -69,7 +70,7 @@ def _define() -> SimpleNamespace:
         lo, hi = bits[:h], bits[h:2 * h]
         a = np.int32(0)
         b = np.int32(0)
-        for i in range(h):  # two streams at once: 20% faster than one on the test VM
+        for i in range(h):  # two streams at once: faster than one
             a = max(a, lo[i] & mag)
             b = max(b, hi[i] & mag)
         for i in range(2 * h, bits.size):
@@ -123,9 +124,8 @@ def _define() -> SimpleNamespace:
         """Ascending indices of the float32s (as int32 bits) whose magnitude key, ``bits &
         0x7FFFFFFF``, is at least key (NaN included), written to out; returns their count,
         which exceeds out.size when out is too small (only out.size are written then).
-        Blocks of 128: a vectorized max, then a look (`note`) only into blocks that hold one.
-        25M elements on the test VM (benchmarks/candidate_scan.py): 4 ms at 0.1%, 9 at 1%,
-        21 at 20%, 27 at 50% (NumPy's masks: 12, 18, 52, 132)."""
+        Blocks of 128: a vectorized max, then a look (`note`) only into blocks that hold one
+        (timings: benchmarks/candidate_scan.py)."""
         c, width = 0, 128
         blocks = bits.size // width
         for b in range(blocks):
@@ -142,9 +142,9 @@ def _define() -> SimpleNamespace:
         """`dgc_inplace` that also writes, as `at_least` does, the indices of the new v whose
         magnitude key is at least key: a sparsifier's first candidates, found while v is
         in registers instead of in a pass of their own. Returns (ub, vb, count). Blocks of
-        32 with a fixed trip count (0.5 adds over `dgc_inplace`; 64: 0.7, 16: 1.0, and a
-        variable trip count stops LLVM vectorizing: 6). The update is `dgc_inplace`'s, written
-        out again: calling an inlined span of it per block measured 7.5 adds."""
+        32 with a fixed trip count (a variable trip count stops LLVM vectorizing). The update
+        is `dgc_inplace`'s, written out again: calling an inlined span of it per block is
+        slower."""
         ui, vi = u.view(np.int32), v.view(np.int32)
         ub = np.int32(0)
         vb = np.int32(0)
@@ -244,7 +244,7 @@ def _define() -> SimpleNamespace:
     @jit
     def residual_fp8(c, codes, factor, chunk, e5m2, out):
         """out = c - w * factor[chunk], w being each fp8 code's value times 2**-8 (e4m3) or
-        2**0 (e5m2), built from its bits as `quantize._fp8_as_half` builds it through fp16
+        2**0 (e5m2), built from its bits as `quantize.fp8._fp8_as_half` builds it through fp16
         (exact: normal codes move their exponent, subnormal ones are small integers times a
         power of two); the caller checks by scales. In two passes over each chunk, integer
         then float, so both vectorize. NaN/Inf codes (a non-finite chunk only) come out

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from . import compiled, sparse
+from . import compiled, select
 from .base import Compressor, Ctx, Piece
 from .finite import all_finite, parts_finite
 from .registry import compressor as make_compressor
@@ -216,8 +216,8 @@ class DGCMomentum:
     def _encode_in_place(self, fast, name: str, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
                          ctx: Ctx | None) -> Packet:
         """One compiled pass for the momentum update, then masking at the sent positions (in
-        ascending order, which the prefetcher follows: measured 0.4 adds for 1% of 25M; done
-        during the next step's pass instead, it cost 1.2). Where the compressor samples and
+        ascending order, which the prefetcher follows; cheaper than doing it during the next
+        step's pass). Where the compressor samples and
         then scans v (topk, dgc), the sample of the new v is computed first and the pass
         writes down the candidates too, which saves the compressor its scan of v."""
         n = compiled.np_view
@@ -229,12 +229,12 @@ class DGCMomentum:
             ub, vb = fast.dgc_inplace(g, uf, vf, m, self.nesterov)
             packet, pieces = self.compressor.encode_sent(v, ctx)
         else:
-            sample = self._new_v(*(sparse.sample_view(a, stride) for a in (g, uf, vf)))
-            skeys = sparse.sample_keys_of(sample.view(np.int32), torch.float32)
+            sample = self._new_v(*(select.sample_view(a, stride) for a in (g, uf, vf)))
+            skeys = select.sample_keys_of(sample.view(np.int32), torch.float32)
             key = self.compressor.first_key(skeys, v.numel())
-            out = sparse.candidate_buffer(v.numel(), self.compressor.value_count(v.numel()))
+            out = select.candidate_buffer(v.numel(), self.compressor.value_count(v.numel()))
             ub, vb, count = fast.dgc_inplace_at_least(g, uf, vf, m, self.nesterov, key, out)
-            found = sparse.found_indices(out, count, v.view(-1), key)
+            found = select.found_indices(out, count, v.view(-1), key)
             packet, idx = self.compressor.encode_found(v, ctx, skeys, key, found)
             pieces = self.compressor.pieces(packet, idx, packet.section(Kind.VALUES))
         for where, _sent in pieces:

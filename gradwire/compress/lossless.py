@@ -70,10 +70,6 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def split_planes(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Bytes of a 1-D tensor as byte planes: its (n, s) bytes transposed to (s, n), flattened.
 
@@ -102,7 +98,7 @@ def merge_planes(planes: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | N
 
     With `out` (a contiguous uint8 tensor of the same byte count) the bytes land there.
     """
-    s = _itemsize(dtype)
+    s = dtype.itemsize
     n = planes.numel() // s
     if out is None:
         out = torch.empty(n * s, dtype=torch.uint8, device=planes.device)
@@ -139,7 +135,7 @@ def _rotate_right_(w: torch.Tensor) -> None:
 
 
 def _shuffled(dtype: torch.dtype) -> bool:
-    return dtype in FLOAT_DTYPES and _itemsize(dtype) > 1
+    return dtype in FLOAT_DTYPES and dtype.itemsize > 1
 
 
 def frame_content(inner: Packet) -> torch.Tensor:
@@ -188,7 +184,7 @@ def packet_from_content(content: torch.Tensor) -> Packet:
         dtype = CODE_DTYPES.get(code)
         if dtype is None:
             raise WireFormatError(f"zstd frame: inner section {i} has unknown dtype code {code}")
-        if nbytes % _itemsize(dtype):
+        if nbytes % dtype.itemsize:
             raise WireFormatError(f"zstd frame: inner section {i}: {nbytes} bytes is not a multiple of {dtype} size")
         layout.append((dtype, nbytes))
         body += nbytes
@@ -296,7 +292,7 @@ class Zstd(Compressor):
 
     def _decode(self, pk: Packet) -> torch.Tensor:
         # A standalone frame holds the `none` packet of the tensor: its size is exact.
-        itemsize = _itemsize(pk.dtype)
+        itemsize = pk.dtype.itemsize
         inner = self.unwrap(pk, wire.header_size(len(pk.shape), 1) + pk.numel * itemsize, exact=True)
         if inner.codec != _NONE.codec_id or inner.config != _NONE.crc:
             raise WireFormatError(f"a standalone zstd frame must hold a 'none' packet, found codec {inner.codec} "

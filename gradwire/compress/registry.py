@@ -2,6 +2,7 @@
 
 Grammar: ``stage ('+' stage)*``, ``stage = name [':' key '=' value (',' key '=' value)*]``.
 `str(compressor)` prints the canonical spec, which parses back to an equal compressor.
+The name -> class table under it (`register`, `lookup`, `available`) is `names`.
 """
 
 from __future__ import annotations
@@ -10,32 +11,10 @@ import re
 from typing import Any
 
 from .base import Compressor
+from .chain import Chain
+from .names import available, lookup, register  # noqa: F401  (the registry's public names)
 
-_REGISTRY: dict[str, type[Compressor]] = {}
 _STAGE_SPLIT = re.compile(r"\+(?=\s*[A-Za-z_])")  # '+' before a name, not inside 1e+3
-
-
-def register(cls: type[Compressor]) -> type[Compressor]:
-    """Class decorator: make a compressor reachable by its spec name."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"compressor name {cls.name!r} is registered twice")
-    ids = {c.codec_id: c.name for c in _REGISTRY.values() if c is not cls}
-    if cls.codec_id in ids:
-        raise ValueError(f"codec id {cls.codec_id} of {cls.name!r} is taken by {ids[cls.codec_id]!r}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def available() -> list[str]:
-    """Names of every registered compressor."""
-    return sorted(_REGISTRY)
-
-
-def lookup(name: str) -> type[Compressor]:
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(available())}")
-    return cls
 
 
 def parse_stage(text: str) -> Compressor:
@@ -67,19 +46,9 @@ def compressor(spec: "str | Compressor | dict[str, Any]") -> Compressor:
     stages = [parse_stage(p) for p in parts]
     if len(stages) == 1:
         return stages[0]
-    from .chain import Chain
-
     return Chain(stages)
 
 
 def from_config(config: dict[str, Any]) -> Compressor:
-    """Inverse of `Compressor.get_config()`."""
-    if not isinstance(config, dict) or "name" not in config:
-        raise ValueError(f"a compressor config is a dict with a 'name', got {config!r}")
-    cfg = dict(config)
-    name = cfg.pop("name")
-    if name == "chain":
-        from .chain import Chain
-
-        return Chain([from_config(c) for c in cfg.pop("stages")])
-    return lookup(name)(**cfg)
+    """Inverse of `Compressor.get_config()`: whichever compressor (or chain) the config names."""
+    return Compressor.from_config(config)

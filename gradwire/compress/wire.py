@@ -173,7 +173,7 @@ def allocate(codec: int, dtype: torch.dtype, shape: tuple[int, ...], layout: lis
     sections = [Section(kind, torch.empty(0, dtype=dt)) for kind, dt, _ in layout]
     pk = Packet(codec, dtype, shape, sections, config)
     head = header_size(len(shape), len(layout))
-    sizes = [count * torch.empty((), dtype=dt).element_size() for _, dt, count in layout]
+    sizes = [count * dt.itemsize for _, dt, count in layout]
     buf = _new_buffer(head + sum(align(n) for n in sizes), torch.device(device))
     pos = head
     for sec, (_, dt, count), n in zip(sections, layout, sizes):
@@ -279,7 +279,7 @@ def parse(buf: torch.Tensor) -> Packet:
         if sdtype_code not in CODE_DTYPES:
             raise WireFormatError(f"section {i} ({kind.name}): unknown dtype code {sdtype_code}")
         sdtype = CODE_DTYPES[sdtype_code]
-        itemsize = torch.empty((), dtype=sdtype).element_size()
+        itemsize = sdtype.itemsize
         if nbytes % itemsize:
             raise WireFormatError(f"section {i} ({kind.name}): {nbytes} bytes is not a multiple of {sdtype} size")
         if nbytes > total - pos:

@@ -153,29 +153,29 @@ def _scan_oracle(x: torch.Tensor, key: int) -> torch.Tensor:
 def test_compiled_scan_finds_what_the_numpy_scan_finds(cpu_path, n, threshold):
     """Candidates on both paths at densities from ~all to none (the compiled scan turns
     branch-free past 1/16), with NaN, +-Inf and -0.0 among them."""
-    from gradwire.compress import sparse
+    from gradwire.compress import select
 
     x = randn(n, seed=n)
     for i, special in zip(range(0, n, 997), (float("nan"), float("inf"), float("-inf"), -0.0, -float("nan"))):
         x[i] = special
-    key = sparse._ceil_key(threshold, torch.float32)
-    got = sparse._candidates(x, key)
+    key = select.ceil_key(threshold, torch.float32)
+    got = select.candidates(x, key)
     assert got.dtype == torch.int64 and torch.equal(got, _scan_oracle(x, key))
 
 
 def test_compiled_scan_with_more_candidates_than_its_buffer():
     """Over a quarter passing overflows the scratch buffer: counted, then found again into a
     buffer of their size."""
-    from gradwire.compress import sparse
+    from gradwire.compress import select
 
     fast = compiled.loops()
     x = randn(5000, seed=3)
-    key = sparse._ceil_key(0.5, torch.float32)
-    out = sparse.candidate_buffer(0)[:100]
+    key = select.ceil_key(0.5, torch.float32)
+    out = select.candidate_buffer(0)[:100]
     count = fast.at_least(x.view(torch.int32).numpy(), key, out)
     want = _scan_oracle(x, key)
     assert count == want.numel() > 100
-    assert torch.equal(sparse.found_indices(out, count, x, key), want)
+    assert torch.equal(select.found_indices(out, count, x, key), want)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -187,7 +187,7 @@ def test_dgc_pass_finds_the_candidates(cpu_path, nesterov, spec, sampled_large, 
     `sampled_large`: the sampled rows hold the largest values, so the first threshold
     finds too few candidates and the selection lowers it (scans of its own after the pass)."""
     from feedback_oracle import OracleDGCMomentum
-    from gradwire.compress import sparse
+    from gradwire.compress import select
 
     fast = compiled.loops()
     calls = []
@@ -200,7 +200,7 @@ def test_dgc_pass_finds_the_candidates(cpu_path, nesterov, spec, sampled_large, 
         g = randn(n, seed=t)
         if sampled_large:
             g.mul_(0.01)
-            sparse.sample_view(g, c._stride(n)).fill_(100.0 + t)
+            select.sample_view(g, c._stride(n)).fill_(100.0 + t)
         pn = new.encode(g, "w", Ctx(step=t))
         po, _ = old.encode_decode(g, "w", Ctx(step=t))
         assert torch.equal(pn.tensor(), po.tensor()), f"step {t}: packets differ"
@@ -222,7 +222,7 @@ def test_error_feedback_sum_finds_the_candidates(cpu_path, spec, sampled_large, 
     the plain formulas' bit for bit, through non-finite steps (kept state) and, with
     `sampled_large`, a first threshold that finds too few (the selection lowers it)."""
     from feedback_oracle import OracleErrorFeedback
-    from gradwire.compress import sparse
+    from gradwire.compress import select
 
     fast = compiled.loops()
     calls = []
@@ -235,7 +235,7 @@ def test_error_feedback_sum_finds_the_candidates(cpu_path, spec, sampled_large, 
         x = randn(n, seed=t)
         if sampled_large and hasattr(c, "_stride"):
             x.mul_(0.01)
-            sparse.sample_view(x, c._stride(n)).fill_(100.0 + t)
+            select.sample_view(x, c._stride(n)).fill_(100.0 + t)
         if t == 2:
             x[777] = float("nan")
         if t == 3:
@@ -253,7 +253,7 @@ def test_fp8_residual_loop_decodes_every_code_as_the_torch_path(fmt):
     factors: c - w * factor equals the torch path's bit for bit where the code is finite, and
     is finite where the torch path's is (e4m3's NaN codes decode finite there: only a chunk with
     a non-finite scale holds them)."""
-    from gradwire.compress import quantize
+    from gradwire.compress.quantize import fp8
 
     dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
     codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).repeat(2).view(dtype)
@@ -261,7 +261,7 @@ def test_fp8_residual_loop_decodes_every_code_as_the_torch_path(fmt):
     factor = torch.tensor([3.0e-3, 7.5e2])
     lift = 1.0 if fmt == "e5m2" else 256.0
     w = torch.empty(512)
-    got_lift = quantize._fp8_as_half(codes, fmt, torch.empty(512, dtype=torch.int32), w)
+    got_lift = fp8._fp8_as_half(codes, fmt, torch.empty(512, dtype=torch.int32), w)
     assert got_lift == lift
     want = c - w * factor.repeat_interleave(256)
     out = torch.empty(512)

@@ -9,7 +9,7 @@ import torch
 
 import gradwire
 from gradwire import Ctx, WireFormatError
-from gradwire.compress import quantize
+from gradwire.compress.quantize import fp8, tiles
 from gradwire.compress.wire import Kind, Packet, Section, align, header_size
 
 from tensors import bits
@@ -52,7 +52,7 @@ def test_round_trip_shape_dtype_and_static_size(spec, dtype, shape):
 
 
 def _formula(spec: str, n: int) -> list[int]:
-    """Section bytes as documented in quantize's module docstring."""
+    """Section bytes as documented in the quantize package's docstring."""
     c = gradwire.compressor(spec)
     g = -(-n // 8)
     chunk = getattr(c, "chunk", None) if c.name in ("fp8", "int8", "sign", "onebit") else c.bucket
@@ -76,12 +76,12 @@ def test_packet_size_formula(spec):
 @pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 7, 8])
 @pytest.mark.parametrize("n", [1, 8, 13, 4099])
 def test_unpack_inverts_the_documented_bit_packing(b, n):
-    """`_unpack` against the little-endian layout of the module docstring, on random bytes."""
+    """`_unpack` against the little-endian layout of `tiles`' docstring, on random bytes."""
     g = -(-n // 8)
     packed = torch.randint(0, 256, (g * b,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + b))
     words = [int.from_bytes(bytes(packed[j * b:(j + 1) * b].tolist()), "little") for j in range(g)]
     want = [(words[i // 8] >> (b * (i % 8))) & ((1 << b) - 1) for i in range(n)]
-    assert quantize._unpack(packed, b, n).tolist() == want
+    assert tiles._unpack(packed, b, n).tolist() == want
 
 
 def test_bits_per_element():
@@ -154,13 +154,13 @@ def test_fp8_all_zero_chunk_is_exact():
 def test_fp8_codes_through_half_bits_decode_like_the_cast(fmt):
     """Error feedback's in-tile decode (`_fp8_as_half`) against torch's cast, every code
     times scales from subnormal to the largest an fp8 chunk can have, bit for bit."""
-    dtype = quantize._FP8[fmt]
+    dtype = fp8._FP8[fmt]
     codes = torch.arange(256, dtype=torch.uint8).repeat(3)[:-9].view(dtype)  # odd length: vector tails too
     value = codes.to(torch.float32)
     fmax = float(torch.finfo(dtype).max)
-    scales = [2.0 ** -149, 3e-39, 1e-30, 1 / fmax, 0.37, 1.0, 3.3e3, 1e30, quantize.FLT_MAX / fmax]
+    scales = [2.0 ** -149, 3e-39, 1e-30, 1 / fmax, 0.37, 1.0, 3.3e3, 1e30, tiles.FLT_MAX / fmax]
     out = torch.empty(codes.numel())
-    lift = quantize._fp8_as_half(codes, fmt, torch.empty(codes.numel(), dtype=torch.int32), out)
+    lift = fp8._fp8_as_half(codes, fmt, torch.empty(codes.numel(), dtype=torch.int32), out)
     real = ~torch.isnan(value)  # NaN codes come only from a non-finite chunk (its scale is non-finite)
     assert real.sum() >= 3 * 250 - 9 and torch.equal(out[real] * lift, value[real])
     for sc in scales:
@@ -309,7 +309,7 @@ def test_bytes_do_not_depend_on_the_tile_size(spec, monkeypatch):
     ref = c.encode(x, ctx).tensor()
     ref16 = c.encode(x.to(torch.bfloat16), ctx).tensor()
     for tile in (8, 200, 1024):
-        monkeypatch.setattr(quantize, "TILE", tile)
+        monkeypatch.setattr(tiles, "TILE", tile)
         assert torch.equal(c.encode(x, ctx).tensor(), ref), tile
         assert torch.equal(c.encode(x.to(torch.bfloat16), ctx).tensor(), ref16), tile
 

@@ -11,6 +11,7 @@ import gradwire
 from gradwire import Compressor
 from gradwire.compress.base import Param, _fmt
 from gradwire.compress.registry import from_config, register
+from gradwire.compress.sparse.base import _Sparse
 
 NAMES = gradwire.available()
 
@@ -212,6 +213,26 @@ def test_config_errors():
             from_config(bad)
     with pytest.raises(ValueError, match="unknown parameter"):
         from_config({"name": "zstd", "lvl": 3})
+
+
+def test_from_config_builds_the_class_it_is_called_on():
+    """`TopK.from_config` builds a TopK and refuses another compressor's config, naming both;
+    on `Compressor` itself (or an abstract base) it builds whichever compressor the config names."""
+    chain = gradwire.compressor("topk:ratio=0.05+qsgd:bits=4+zstd")
+    for c in [gradwire.compressor(n) for n in NAMES] + [chain]:
+        config = c.get_config()
+        assert Compressor.from_config(config) == c and type(Compressor.from_config(config)) is type(c)
+        assert type(c).from_config(config) == c
+    topk, dgc = gradwire.compressor("topk:ratio=0.1"), gradwire.compressor("dgc")
+    with pytest.raises(ValueError, match="TopK.from_config: the config names 'dgc', not 'topk'"):
+        type(topk).from_config(dgc.get_config())
+    with pytest.raises(ValueError, match="Chain.from_config: the config names 'topk', not 'chain'"):
+        type(chain).from_config(topk.get_config())
+    assert _Sparse.from_config(topk.get_config()) == topk  # an abstract base: no name of its own
+    with pytest.raises(ValueError, match="'qsgd' is not a _Sparse"):
+        _Sparse.from_config({"name": "qsgd"})
+    with pytest.raises(ValueError, match="unknown compressor 'nope'"):
+        Compressor.from_config({"name": "nope"})
 
 
 def test_register_refuses_duplicates():

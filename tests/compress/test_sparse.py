@@ -1,4 +1,4 @@
-"""Sparsifiers: topk, randomk, threshold, dgc (gradwire.compress.sparse)."""
+"""Sparsifiers: topk, randomk, threshold, dgc (gradwire.compress.sparse, gradwire.compress.select)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 import gradwire
 from gradwire import WireFormatError
-from gradwire.compress import Ctx, indexcodec, sparse
+from gradwire.compress import Ctx, indexcodec, select
+from gradwire.compress.sparse import RandomK, dgc, randomk
 from gradwire.compress.wire import Kind, Packet, Section
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -156,7 +157,7 @@ def test_topk_and_dgc_match_sort_reference(name: str, x: torch.Tensor, cpu_path)
     order = ref_order(x)
     for k in (1, 37, 2_000, 60_000, n - 1):
         want = torch.sort(order[:k]).values
-        for fn in (lambda: sparse.topk(x, k), lambda: sparse._dgc(x, k, 0.01)):
+        for fn in (lambda: select.topk(x, k), lambda: dgc._dgc(x, k, 0.01)):
             idx, vals = fn()
             assert torch.equal(idx, want), (name, k)
             assert torch.equal(vals.view(torch.uint8), x[want].view(torch.uint8)), (name, k)
@@ -168,11 +169,11 @@ def test_device_path_matches_host_path(monkeypatch) -> None:
     cases = [dict(_exact_cases())[name] for name in ("ties", "nonfinite", "adversarial_sample", "bf16")]
     specs = ["topk:ratio=0.01", "topk:ratio=0.3", "dgc:ratio=0.02", "threshold:threshold=1.0", "randomk:ratio=0.01"]
     host = {(i, s): gradwire.compressor(s).encode(x, Ctx(seed=1)).tensor() for i, x in enumerate(cases) for s in specs}
-    monkeypatch.setattr(sparse, "_on_host", lambda t: False)
+    monkeypatch.setattr(select, "on_host", lambda t: False)
     for (i, spec), want in host.items():
         assert torch.equal(gradwire.compressor(spec).encode(cases[i], Ctx(seed=1)).tensor(), want), (i, spec)
     small = _x(1000)
-    assert torch.equal(sparse.topk(small, 10)[0], ref_topk(small, 10))
+    assert torch.equal(select.topk(small, 10)[0], ref_topk(small, 10))
 
 
 def test_topk_small_and_retry_paths(cpu_path) -> None:
@@ -181,7 +182,7 @@ def test_topk_small_and_retry_paths(cpu_path) -> None:
         x = torch.randn(n, generator=g)
         x[torch.randint(0, n, (n // 3,), generator=g)] = 0.5  # many ties
         for k in (1, max(1, n // 100), n // 2, n - 1):
-            assert torch.equal(sparse.topk(x, k)[0], ref_topk(x, k)), (n, k)
+            assert torch.equal(select.topk(x, k)[0], ref_topk(x, k)), (n, k)
 
 
 def test_topk_encode_does_not_run_torch_topk(monkeypatch) -> None:
@@ -346,7 +347,7 @@ def test_randomk_has_no_indices_option() -> None:
 
 def test_randomk_strata_match_the_formula() -> None:
     for numel, k in [(10, 3), (1000, 7), (12345, 1000), (100, 100), ((1 << 33) + 7, 12345), (25_000_017, 250_000)]:
-        start, length = sparse.RandomK._strata(numel, k, "cpu")
+        start, length = RandomK._strata(numel, k, "cpu")
         i = torch.arange(k + 1, dtype=torch.int64)
         edges = i * (numel // k) + (i * (numel % k)) // k  # the torch formula (other devices)
         assert torch.equal(start, edges[:-1]) and torch.equal(length, edges[1:] - edges[:-1]), (numel, k)
@@ -367,7 +368,7 @@ def test_randomk_forged_key_moves_values_within_their_strata() -> None:
         # the values land elsewhere, but one per stratum and nowhere else
         assert idx.numel() == 40 and bool(((idx >= start) & (idx < start + length)).all()), word
         assert torch.equal(y[idx], p.section(Kind.VALUES) * length.float())
-        assert torch.equal(idx, c._draw(1000, 40, sparse._key_of(word), "cpu")[0])
+        assert torch.equal(idx, c._draw(1000, 40, randomk._key_of(word), "cpu")[0])
         assert torch.equal(c.add_decoded(buf, torch.zeros(1000)), y)
         seen.add(tuple(idx.tolist()))
     assert len(seen) > 1

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from gradwire.compress import quantize, rng
-from gradwire.compress.sparse import RandomK, _keys_of
+from gradwire.compress import rng
+from gradwire.compress.quantize import tiles as quantize
+from gradwire.compress.select import keys_of as _keys_of
+from gradwire.compress.sparse import RandomK
 from gradwire.cuda.loader import KERNEL_DIR
 
 HARNESS = Path(__file__).with_name("cuda_host_check.cpp")

@@ -157,7 +157,7 @@ template <> struct Elem<GW_BF16> {
 };
 
 // Magnitude key: the bits with the sign cleared, every NaN clamped to inf + 1, so keys
-// order like |x| and NaN > inf > finite (gradwire/compress/sparse.py).
+// order like |x| and NaN > inf > finite (gradwire/compress/select.py).
 template <int DT>
 GW_HD u32 mag_key(typename Elem<DT>::T v) {
     u32 b = Elem<DT>::bits(v);

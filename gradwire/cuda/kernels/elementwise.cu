@@ -1,5 +1,5 @@
 // Casts, per-chunk statistics and the dense quantizers (fp8, int8, qsgd, terngrad,
-// sign, onebit): encode and decode. Semantics follow gradwire/compress/quantize.py
+// sign, onebit): encode and decode. Semantics follow gradwire/compress/quantize/
 // operation for operation; the module is compiled with --fmad=false so every float
 // multiply and add rounds on its own, as torch's CPU ops do.
 #include "quant.cuh"
