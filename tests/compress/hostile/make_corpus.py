@@ -6,7 +6,7 @@ Each entry is one buffer a peer could send (hex), what it goes to and what the r
 expects; tests/compress/test_hostile.py decodes every entry under an address-space limit and wants
 WireFormatError (or, standalone, a decode no larger than the receiver allows).
 
-kinds: "packet" (a codec's `decode`), "horovod" (an allgather of length-prefixed packets),
+kinds: "packet" (a codec's `decode`), "message" (one rank's int64 length table, then its packets),
 "sparse" (one rank's `comm.sparse` buffer), "artopk" (a leader's broadcast indices).
 classes: 1 zero dim beside a huge one, 2 declared numel far above the data, 3 zstd content
 size bombs, 4 a packet for another shape, 5 trailing bytes, 6 unknown flag bits, 7 bad outer
@@ -169,16 +169,18 @@ def build() -> None:
             standalone="decodes")
     add(4, "topk k=1 (1,) packet of 1e6", encoded("topk:k=1", torch.tensor([1e6])), spec="topk:k=1",
         shape=(20,), standalone="decodes")
-    # ---- 5: Horovod allgather buffers: trailing bytes, short and overlong length prefixes
+    # ---- 5: one rank's message of packets (an int64 length per segment, then the packets: what
+    # the allgather strategy, the reduce-scatter and Horovod's optimizer exchange): trailing bytes,
+    # a missing packet, an overlong and a negative length
     p = encoded("topk:k=1", x20)
     msg = torch.cat([torch.tensor([p.numel()]).view(torch.uint8), p])
-    add(5, "horovod: trailing bytes", torch.cat([msg, msg, torch.zeros(3, dtype=torch.uint8)]), kind="horovod",
-        spec="topk:k=1", world=2)
-    add(5, "horovod: one message missing", msg, kind="horovod", spec="topk:k=1", world=2)
-    add(5, "horovod: length beyond the buffer", torch.cat([torch.tensor([1 << 40]).view(torch.uint8), p, msg]),
-        kind="horovod", spec="topk:k=1", world=2)
-    add(5, "horovod: negative length", torch.cat([torch.tensor([-1]).view(torch.uint8), p, msg]),
-        kind="horovod", spec="topk:k=1", world=2)
+    add(5, "message: trailing bytes", torch.cat([msg, torch.zeros(3, dtype=torch.uint8)]), kind="message",
+        spec="topk:k=1", count=1)
+    add(5, "message: one packet missing", msg, kind="message", spec="topk:k=1", count=2)
+    add(5, "message: length beyond the buffer", torch.cat([torch.tensor([1 << 40]).view(torch.uint8), p]),
+        kind="message", spec="topk:k=1", count=1)
+    add(5, "message: negative length", torch.cat([torch.tensor([-1]).view(torch.uint8), p]),
+        kind="message", spec="topk:k=1", count=1)
     # ---- 6: unknown header flag bits, every codec
     for spec in SPECS:
         p = encoded(spec, x20)

@@ -56,8 +56,7 @@ def check(entry: dict) -> str:
 
     import gradwire
     from gradwire.comm import sparse
-    from gradwire.comm.strategies import Segment, check_leader_indices
-    from gradwire.hooks.horovod import split_allgathered
+    from gradwire.comm.strategies import Segment, check_leader_indices, split_message
 
     buf = torch.frombuffer(bytearray.fromhex(entry["hex"]), dtype=torch.uint8) if entry["hex"] \
         else torch.empty(0, dtype=torch.uint8)
@@ -87,8 +86,8 @@ def check(entry: dict) -> str:
         else:
             declared = gradwire.compress.wire.parse(buf)
             want("standalone", lambda: _same_shape(c.decode(buf), declared.shape), "decoded")
-    elif entry["kind"] == "horovod":
-        want("split", lambda: split_allgathered(buf, entry["world"], "w"))
+    elif entry["kind"] == "message":
+        want("split", lambda: split_message(buf, entry["count"]))
     elif entry["kind"] == "sparse":
         numel = shape[0]
 
