@@ -51,7 +51,10 @@ print(json.dumps(out))
 MERGE = r"""
 import time, json, torch
 torch.set_num_threads(1)
-from gradwire.comm.sparse import merge_dense, merge_sparse
+try:  # (this text also runs against checkouts from before the rename)
+    from gradwire.comm.sparse_exchange import merge_dense, merge_sparse
+except ImportError:
+    from gradwire.comm.sparse import merge_dense, merge_sparse
 n = 1_000_000
 val = torch.randn(n, generator=torch.Generator().manual_seed(0))
 same = [(torch.zeros(n // 2, dtype=torch.int64), val[: n // 2]), (torch.zeros(n // 2, dtype=torch.int64), val[n // 2:])]

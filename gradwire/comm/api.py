@@ -31,21 +31,48 @@ same bits) — so with the same optimizer they keep bit-identical parameters.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
 import torch
 
-from ..compress import Compressor, Ctx, compressor as make_compressor, resolve_error_feedback
+from ..compress import Compressor, Ctx
 from ..errors import ConfigMismatchError, WireFormatError  # noqa: F401 (ConfigMismatchError: raised by the check)
 from .backend import Backend, Work
-from .framing import check_same_config
-from .hierarchical import launcher_ranks_per_node
-from .strategies import ExchangeStats, Strategy
+from .base import ExchangeStats, Strategy
+from .config import ExchangeConfig, config_field
+from .mpi import MPIBackend
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEFAULT_COMPRESSOR = "topk:ratio=0.01"
+DEFAULT_STRATEGY = "allgather"
 
 
+class ExchangerConfig(ExchangeConfig):
+    """`GradientExchanger`'s config: the shared rules (`gradwire.comm.config`), plus how gradients
+    are bucketed (`bucket_mb`) and compressed (`per_tensor`)."""
+
+    ENTRY_POINT = "gradwire exchanger"
+
+    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str = DEFAULT_STRATEGY, *,
+                 error_feedback: bool | str = "auto", seed: int = 0, bucket_mb: float | None = None,
+                 per_tensor: bool = True, strategy_options: dict[str, Any] | None = None, **options: Any) -> None:
+        if bucket_mb is not None and not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        super().__init__(compressor, strategy, error_feedback=error_feedback, seed=seed,
+                         strategy_options=strategy_options, **options)
+        self.bucket_mb = bucket_mb
+        self.per_tensor = bool(per_tensor)
+
+    def _own_fields(self) -> dict[str, Any]:
+        return {"bucket_mb": self.bucket_mb, "per_tensor": self.per_tensor}
+
+    def __call__(self) -> dict[str, Any]:
+        """Deprecated: `GradientExchanger.config()` was a method; `config` is now this object."""
+        warnings.warn("GradientExchanger.config() is deprecated and will be removed in the next release; use "
+                      "get_config() (config is now the config object)", DeprecationWarning, stacklevel=2)
+        return self.get_config()
 
 
 def _named(tensors: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
@@ -79,55 +106,53 @@ def _gradient_of(t: torch.Tensor) -> torch.Tensor | None:
 class GradientExchanger:
     """Compress, exchange and average gradients over every rank of `backend`.
 
-    compressor: a spec string (``"topk:ratio=0.01"``, ``"fp16"``, ...) or a `Compressor`.
+    compressor: a spec string (default ``"topk:ratio=0.01"``; ``"fp16"``, ...) or a `Compressor`.
     backend: a `Backend`; default `MPIBackend` over ``MPI.COMM_WORLD``.
-    strategy: ``"allgather"`` (any compressor), ``"allreduce"`` (summable ones), ``"artopk"``, ``"oktopk"``,
-        ``"dense"``, ``"powersgd"``, or ``"auto"`` (chosen per bucket by a measured cost model;
-        construction then runs timed collectives on every rank); extra keyword arguments go to
-        the strategy (e.g. ``alpha``/``beta`` for auto).
+    strategy: ``"allgather"`` (the default; any compressor), ``"allreduce"`` (summable ones),
+        ``"artopk"``, ``"oktopk"``, ``"dense"``, ``"powersgd"``, ``"hierarchical"``, or ``"auto"``
+        (chosen per bucket by a measured cost model; construction then runs timed collectives on
+        every rank); extra keyword arguments go to the strategy (e.g. ``alpha``/``beta`` for auto).
+        Unknown strategies and options raise ValueError here, naming the valid ones.
     error_feedback: keep what the compressor dropped and add it to the next step's gradient;
         ``"auto"`` (default): on for biased compressors, off for casts and unbiased ones
-        (`Compressor.feedback_helps`); PowerSGD keeps its own, on unless False.
-    seed: for stochastic compressors (randomness is keyed by seed, step, rank and bucket).
+        (`Compressor.feedback_helps`); a strategy that compresses by itself (PowerSGD) keeps its
+        own, on unless False.
+    seed: for stochastic compressors (randomness is keyed by seed, step, rank and bucket) and
+        PowerSGD's shared random init.
     bucket_mb: split the flat gradient into buckets of about this many MiB (default: one
         bucket per device and dtype).
     per_tensor: compress each tensor separately under its own key (default), else each
         bucket as a whole.
+
+    The settings are `config` (an `ExchangerConfig`, with the rules it shares with the DDP and
+    FSDP hooks; `get_config()` as plain data). `last_stats` is the last exchange's statistics
+    (with "step"), `take_stats()` the totals since its last call, `totals` since construction.
     """
 
-    def __init__(self, compressor: Compressor | str = "topk:ratio=0.01", backend: Backend | None = None,
-                 strategy: str = "allgather", error_feedback: bool | str = "auto", seed: int = 0,
+    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, backend: Backend | None = None,
+                 strategy: str = DEFAULT_STRATEGY, error_feedback: bool | str = "auto", seed: int = 0,
                  bucket_mb: float | None = None, per_tensor: bool = True, **strategy_options: Any) -> None:
-        from .registry import make_strategy  # imports every strategy; keep importing this module cheap
-
+        self.config = ExchangerConfig(compressor, strategy, error_feedback=error_feedback, seed=seed,
+                                      bucket_mb=bucket_mb, per_tensor=per_tensor, **strategy_options)
         if backend is None:
-            from .mpi import MPIBackend
-
-            backend = MPIBackend()
-        if bucket_mb is not None and not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+            backend = MPIBackend()  # (mpi4py itself is imported only here, when it is the backend)
         self.backend = backend
-        self.compressor = make_compressor(compressor)
-        self.strategy_name = strategy
-        if strategy == "powersgd" and error_feedback == "auto":
-            error_feedback = True  # as torch's powerSGD_hook
-        self.error_feedback = resolve_error_feedback(error_feedback, self.compressor)
-        self.seed = int(seed)
-        self.bucket_mb = bucket_mb
-        self.per_tensor = bool(per_tensor)
-        self.strategy_options = dict(strategy_options)
-        options = dict(strategy_options)
-        if strategy == "powersgd" or options.get("inner") == "powersgd":
-            options.setdefault("seed", self.seed)  # PowerSGD's shared random init follows seed=
         # Before the strategy exists: building auto or hierarchical runs collectives already.
-        check_same_config(backend, f"{self.config()} ranks_per_node(launcher)={launcher_ranks_per_node()}",
-                          "gradwire exchangers' configs")
-        self.strategy: Strategy = make_strategy(strategy, backend, self.compressor,
-                                                error_feedback=self.error_feedback, **options)
+        self.config.check_across_ranks([backend])
+        self.strategy: Strategy = self.config.build_strategy(backend)
         self.step = 0
         self.last_stats: dict[str, Any] | None = None
         self.totals = ExchangeStats()
+        self._untaken = ExchangeStats()  # totals since the last take_stats()
         self._checked_layout: tuple | None = None
+
+    compressor = config_field("parsed_compressor", "the `Compressor` in use (read-only)")
+    strategy_name = config_field("strategy")
+    strategy_options = config_field("strategy_options")
+    error_feedback = config_field("error_feedback")
+    seed = config_field("seed")
+    bucket_mb = config_field("bucket_mb")
+    per_tensor = config_field("per_tensor")
 
     # ---- identity ------------------------------------------------------------------
     @property
@@ -138,14 +163,22 @@ class GradientExchanger:
     def world_size(self) -> int:
         return self.backend.world_size
 
-    def config(self) -> dict[str, Any]:
-        return {"compressor": str(self.compressor), "strategy": self.strategy_name,
-                "error_feedback": self.error_feedback, "seed": self.seed, "bucket_mb": self.bucket_mb,
-                "per_tensor": self.per_tensor,
-                "strategy_options": dict(sorted(self.strategy_options.items()))}
+    def get_config(self) -> dict[str, Any]:
+        return self.config.get_config()
+
+    def describe(self) -> str:
+        return self.config.describe()
+
+    def fingerprint(self) -> int:
+        return self.config.fingerprint()
+
+    def take_stats(self) -> ExchangeStats:
+        """Totals (bytes, seconds) of the exchanges completed since the last call."""
+        stats, self._untaken = self._untaken, ExchangeStats()
+        return stats
 
     def __repr__(self) -> str:
-        return f"GradientExchanger({self.config()}, backend={self.backend!r}, step={self.step})"
+        return f"GradientExchanger({self.get_config()}, backend={self.backend!r}, step={self.step})"
 
     # ---- bucketing -----------------------------------------------------------------
     def _buckets(self, grads: list[torch.Tensor]) -> list[list[int]]:
@@ -175,8 +208,7 @@ class GradientExchanger:
     def _check_layout(self, layout: tuple) -> None:
         """Every rank must agree on the config and the bucket layout (blocking; first step only,
         or when this rank's layout changes)."""
-        check_same_config(self.backend, repr((self.config(), layout)),
-                          "gradwire exchangers (config, bucket layout)")
+        self.config.check_across_ranks([self.backend], f"{self.describe()} layout={layout!r}")
         self._checked_layout = layout
 
     # ---- exchange ------------------------------------------------------------------
@@ -243,6 +275,7 @@ class GradientExchanger:
                         offset += n
             stats = self.strategy.take_stats()
             self.totals = self.totals.merge(stats)
+            self._untaken = self._untaken.merge(stats)
             self.last_stats = {**stats.as_dict(), "step": step}
             return self.last_stats
 
@@ -265,12 +298,11 @@ class GradientExchanger:
     # ---- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Step, config and the strategy's state (error-feedback residuals, auto's choices)."""
-        return {"version": 1, "step": self.step, "config": self.config(), "strategy": self.strategy.state_dict()}
+        return {"version": 1, "step": self.step, "config": self.get_config(), "strategy": self.strategy.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != 1:
             raise ValueError(f"unknown GradientExchanger state version {state.get('version')!r}")
-        if state["config"] != self.config():
-            raise ValueError(f"state was saved by an exchanger with {state['config']}, this one has {self.config()}")
+        self.config.check_saved(state)
         self.strategy.load_state_dict(state["strategy"])
         self.step = int(state["step"])

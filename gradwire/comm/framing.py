@@ -91,12 +91,16 @@ def agree(backend, error: WireFormatError | None, op: str, device: torch.device 
         raise WireFormatError(f"{op}: rank {receiver} received a malformed message from rank {sender}", peer=sender)
 
 
+def config_digest(description: str) -> int:
+    """A config's 64-bit digest, as a signed int64 (what ranks compare before any text)."""
+    return int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "little", signed=True)
+
+
 def check_same_config(backend, description: str, what: str) -> None:
     """ConfigMismatchError on every rank unless every rank's `description` is the same: a
     64-bit digest per rank first, then (only on a mismatch, which every rank sees alike) the
     descriptions as text for the message. Nothing is unpickled."""
-    digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "little", signed=True)
-    if len({row[0] for row in backend.allgather_ints([digest])}) == 1:
+    if len({row[0] for row in backend.allgather_ints([config_digest(description)])}) == 1:
         return
     texts = backend.allgather_text(description)
     lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(texts))
@@ -110,7 +114,7 @@ def packet_bound(c, numel: int, dtype: torch.dtype) -> int:
     static = c.static_size(numel, dtype)
     if static is not None:
         return static
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     slack = numel * (item + 8) // 64 + 4096
     try:
         return sum(c.max_section_sizes(numel, dtype)) + 64 * 8 + slack

@@ -18,6 +18,12 @@ steps 1 and 3 as `intra_bytes_*`; the rest is inter-node traffic.
 Nodes come from `ranks_per_node` when given (contiguous blocks of ranks), else from the
 launcher (`LOCAL_WORLD_SIZE` of torchrun, `OMPI_COMM_WORLD_LOCAL_SIZE` of Open MPI; contiguous
 blocks too), else from the hostnames; every rank must agree, or all raise ValueError.
+
+The inner strategy runs over the between-node sub-group, which exists only once the nodes are
+known, so `Hierarchical` takes a factory for it (`make_inner(backend)`: the registry builds one
+by name, `auto` builds its candidates directly).
+
+Tests: tests/comm/test_hierarchical.py (4 gloo ranks as 2 nodes of 2), tests/comm/test_faults.py.
 """
 
 from __future__ import annotations
@@ -27,17 +33,16 @@ import socket
 import time
 import zlib
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..compress import Compressor, Ctx
 from ..errors import WireFormatError
 from .backend import Backend, Work
+from .base import ExchangeStats, Strategy, StrategyTraits, Workload, accumulation_dtype, segments_of
 from .framing import agree
-from .strategies import ExchangeStats, Strategy, segments_of
-
-_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+from .links import Links
 
 
 def launcher_ranks_per_node() -> int | None:
@@ -117,22 +122,22 @@ def node_chunks(numel: int, parts: int, shapes: list[torch.Size] | None = None, 
 
 
 class Hierarchical(Strategy):
-    """Dense reduce-scatter in the node, `inner` strategy between nodes, allgather in the node."""
+    """Dense reduce-scatter in the node, an inner strategy between nodes, allgather in the node.
+
+    `make_inner` builds the inner strategy over the between-node backend it is given; its
+    compressor is this strategy's, and its error feedback is the only one kept."""
 
     name = "hierarchical"
+    TRAITS = StrategyTraits("hierarchical", None, stateful=True, swaps_compressor=True, wraps_inner=True)
 
-    def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
-                 inner: str = "allgather", ranks_per_node: int | None = None, **inner_options: Any) -> None:
-        from .registry import make_strategy  # the registry imports this module
-
-        super().__init__(backend, compressor, error_feedback=False)  # the inner strategy keeps it
-        if inner == "hierarchical":
-            raise ValueError("hierarchical cannot nest itself")
+    def __init__(self, backend: Backend, make_inner: Callable[[Backend], Strategy],
+                 ranks_per_node: int | None = None) -> None:
         self.node, self.local, self.ranks_per_node = node_layout(backend, ranks_per_node)
         self.intra = backend.split(self.node, self.local)
         self.inter = backend.split(self.local, self.node)
         self.node_ranks = [row[0] for row in self.intra.allgather_ints([backend.rank])]  # local -> global rank
-        self.inner = make_strategy(inner, self.inter, self.compressor, error_feedback, **inner_options)
+        self.inner = make_inner(self.inter)
+        super().__init__(backend, self.inner.compressor, error_feedback=False)  # the inner strategy keeps it
 
     def set_compressor(self, c: Compressor) -> None:
         super().set_compressor(c)
@@ -145,7 +150,7 @@ class Hierarchical(Strategy):
         layout = node_chunks(x.numel(), size, shapes, keys, key)
         chunks = [x[a:b] for a, b, _, _ in layout]
         mine = chunks[local].numel()
-        acc = _ACC.get(x.dtype, x.dtype)
+        acc = accumulation_dtype(x.dtype)
         # A malformed share or chunk is remembered, not raised at once: this rank still takes part
         # in every collective of the bucket, and all ranks agree on failure at the end.
         error: WireFormatError | None = None
@@ -201,6 +206,27 @@ class Hierarchical(Strategy):
             return out
 
         return Work(wait=finish)
+
+    def wire_seconds(self, links: Links, work: Workload, world: int) -> float | None:
+        """Dense inside a node (an all-to-all out, an allgather back); between nodes only a
+        node's share crosses the slow links, priced by the inner strategy on `links.inter`.
+        None without both link models, or when the inner strategy cannot tell."""
+        if links.intra is None or links.inter is None:
+            return None
+        g = self.intra.world_size
+        inner = self.inner.wire_seconds(Links(links.inter), self._chunk_of(work), world // g)
+        if inner is None:
+            return None
+        dense = work.dense_bytes // work.share
+        return links.intra.alltoall(dense * (g - 1) // g, g) + links.intra.allgather(dense // g, g) + inner
+
+    def compute_seconds(self, work: Workload, world: int) -> float:
+        g = self.intra.world_size
+        return self.inner.compute_seconds(self._chunk_of(work), world // g)
+
+    def _chunk_of(self, work: Workload) -> Workload:
+        """What a rank exchanges between nodes: its 1/G chunk of the node's sum."""
+        return replace(work, share=work.share * self.intra.world_size)
 
     def _in_node(self, e: WireFormatError) -> WireFormatError:
         """An error of the node's group, its peer named by global rank."""

@@ -251,7 +251,7 @@ class MPIBackend(Backend):
             recv_counts = [row[self.rank] for row in matrix]
         elif len(recv_counts) != self.world_size:
             raise ValueError(f"alltoall needs one receive count per rank ({self.world_size}), got {len(recv_counts)}")
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         like = chunks[0]
         send = self._stage_in(torch.cat([framed(_bytes(c)) for c in chunks]))
         sb, rb = [n * item + TRAILER for n in send_counts], [n * item + TRAILER for n in recv_counts]

@@ -27,6 +27,10 @@ owner, in rank order, and copied to every rank, so replicas are bit-identical. E
 step-3 message also carries sum(x) and a status word: a NaN/Inf anywhere makes every rank's
 result non-finite (AMP's GradScaler then skips the step everywhere), and a malformed chunk
 seen by one owner makes every rank raise `WireFormatError`, none hangs.
+
+Tests: tests/comm/test_oktopk.py (gloo, P = 2, 3, 4, 8) and tests/comm/mpi_programs/oktopk.py (mpiexec),
+both running the oracle checks of tests/support/oktopk_checks.py; hostile chunks in
+tests/comm/test_hostile_peers.py.
 """
 
 from __future__ import annotations
@@ -39,15 +43,15 @@ from typing import Any
 import torch
 
 from ..compress import Compressor, Ctx, indexcodec
-from ..compress.sparse import topk
+from ..compress.select import topk
 from ..errors import WireFormatError
 from .backend import Backend, Work
-from .strategies import Strategy, segments_of
+from .base import Strategy, StrategyTraits, Workload, accumulation_dtype, segments_of
+from .links import CostModel, Links
 
 _BIN_SHIFT = 20  # histogram bins: a magnitude's float32 bits >> 20 (8 exponent + 3 mantissa bits)
 _BINS = 1 << (31 - _BIN_SHIFT)
 _HEADER = 12  # step-3 message: int32 status, int32 bad source rank, float32 sum(x)
-_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 @dataclass
@@ -80,7 +84,7 @@ def _unpairs(buf: torch.Tensor, dtype: torch.dtype, lo: int, hi: int, what: str,
     """Split a pair buffer; WireFormatError unless its lengths add up, it holds at most `cap`
     pairs (what the sender's k allows) and its indices ascend strictly inside [lo, hi). Nothing
     larger than the buffer is allocated before the checks."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     if buf.numel() < 8:
         raise WireFormatError(f"{what}: {buf.numel()} bytes cannot hold its 8-byte header")
     n, packed_len = buf[:8].clone().view(torch.int32).tolist()
@@ -130,10 +134,18 @@ def keep_largest(positions: torch.Tensor, bits: torch.Tensor, threshold_bits: in
     return keep[order].sort().values
 
 
+def oktopk_seconds(m: CostModel, k: int, item: int, world: int) -> float:
+    """Modelled `oktopk` exchange of k pairs: (P-1)/P of them out by all-to-all, then an
+    allgatherv of about k/P kept pairs each (a value and a bit-packed index, ~2 bytes)."""
+    pair = 2 + item
+    return m.alltoall(k * pair * (world - 1) // world, world) + m.allgather(k * pair // world + 12, world, sized=False)
+
+
 class OkTopK(Strategy):
     """Top-k sparse allreduce with O(k) traffic per rank (see the module docstring)."""
 
     name = "oktopk"
+    TRAITS = StrategyTraits("oktopk", frozenset({"boundary_every", "threshold_every", "min_numel"}), stateful=True)
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
                  boundary_every: int = 256, threshold_every: int = 32, min_numel: int = 0) -> None:
@@ -189,7 +201,7 @@ class OkTopK(Strategy):
 
         # stage 2: this rank's region, summed in rank order
         lo, hi = bounds[rank], bounds[rank + 1]
-        region = torch.zeros(hi - lo, dtype=_ACC.get(x.dtype, x.dtype), device=x.device)
+        region = torch.zeros(hi - lo, dtype=accumulation_dtype(x.dtype), device=x.device)
         touched = torch.zeros(hi - lo, dtype=torch.bool, device=x.device)
         for src, buf in enumerate(received):
             try:
@@ -271,6 +283,14 @@ class OkTopK(Strategy):
 
         most = _HEADER + max(limits)  # an owner's result: at most its region's cap of pairs
         return self.backend.allgatherv(message, max_numel=most).then(finish)
+
+    def wire_seconds(self, links: Links, work: Workload, world: int) -> float:
+        k = sum(self.compressor.value_count(n) for n in work.sizes)  # type: ignore[attr-defined]
+        return oktopk_seconds(links.flat, k // work.share, work.dtype.itemsize, world)
+
+    def compute_seconds(self, work: Workload, world: int) -> float:
+        """One encode (the selection), one decode of the owners' results."""
+        return work.numel // work.share * (work.encode_s + work.decode_s)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "buckets": {n: vars(s).copy() for n, s in self.buckets.items()}}

@@ -35,6 +35,8 @@ Deliberate differences from torch's hook, none of which changes a finite, nonzer
   inside `exchange`), so every rank issues them in the same order however many buckets there
   are. (torch's hook issues them from future callbacks; with several buckets on gloo that order
   can differ between ranks and the collectives mismatch.)
+
+Tests: tests/comm/test_powersgd.py (against torch's powerSGD_hook, on real gloo ranks).
 """
 
 from __future__ import annotations
@@ -49,9 +51,12 @@ import torch
 
 from ..compress import Ctx
 from .backend import Backend, Work
-from .strategies import Strategy
+from .base import Strategy, StrategyTraits, Workload
+from .links import Links
 
 _HALF = (torch.float16, torch.bfloat16)
+#: PowerSGD's options (torch's PowerSGDState's names), by make_strategy and by auto's inner="powersgd"
+POWERSGD_OPTIONS = ("rank", "min_compression_rate", "warm_start", "orthogonalization_epsilon", "seed")
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,7 @@ def _layout(numel: int, shapes: list, keys: list[str], rank: int, min_rate: floa
 
 def sent_numels(shapes: list, rank: int, min_rate: float = 2.0) -> tuple[int, int, int]:
     """Elements PowerSGD allreduces for tensors of these shapes: (dense part, P, Q), one
-    allreduce each; what `auto` models its candidates' wire time from."""
+    allreduce each; what its wire time is modelled from."""
     numel = sum(math.prod(int(d) for d in s) for s in shapes)
     plan = _layout(numel, list(shapes), [str(i) for i in range(len(shapes))], rank, min_rate)
     return plan.dense_numel, plan.p_numel, plan.q_numel
@@ -154,6 +159,7 @@ class PowerSGD(Strategy):
     """Low-rank (rank r) approximation of each large enough matrix in a bucket; see the module doc."""
 
     name = "powersgd"
+    TRAITS = StrategyTraits("powersgd", frozenset(POWERSGD_OPTIONS), own_compression=True, stateful=True)
 
     def __init__(self, backend: Backend, error_feedback: bool = True, rank: int = 1,
                  min_compression_rate: float = 2.0, warm_start: bool = True,
@@ -332,6 +338,17 @@ class PowerSGD(Strategy):
                 offset += size
         self.stats.decode_s += time.perf_counter() - t0
         return out
+
+    # ---- its cost, for `auto` ----------------------------------------------------------
+    def wire_seconds(self, links: Links, work: Workload, world: int) -> float | None:
+        """Three allreduces, of the dense part, of P and of Q, sized from the matrices' shapes;
+        None without shapes that cover the tensors. Its compute is not modelled (auto's timed
+        trial measures it)."""
+        if work.shapes is None or sum(math.prod(s) for s in work.shapes) != work.numel:
+            return None
+        item = work.dtype.itemsize
+        parts = [n * item for n in sent_numels(work.shapes, self.rank, self.min_compression_rate) if n]
+        return sum(links.flat.allreduce(n // work.share, world) for n in parts)
 
     # ---- checkpointing ---------------------------------------------------------------
     def _config(self) -> dict[str, Any]:

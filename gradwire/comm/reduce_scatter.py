@@ -14,7 +14,12 @@ the ranks then agree on success with one 4-byte allreduce, so a malformed packet
 rank makes every rank raise `WireFormatError`.
 
 Segments not worth compressing (fewer than `min_numel` elements, or a packet not smaller than
-dense) travel raw. `dense_reduce_scatter` is the uncompressed collective itself.
+dense) travel raw. A reduce-scatter is not a `Strategy`: it cannot exchange whole buckets, so it
+has its own base, `ReduceScatter`. The uncompressed collective, `dense_reduce_scatter`, lives with
+the torch.distributed backend (torch_dist.py) and is re-exported here for the FSDP hook.
+
+Tests: tests/comm/test_reduce_scatter.py (every kind of compressor, real gloo ranks),
+tests/comm/test_hostile_exchange.py, tests/comm/mpi_programs/collectives.py (mpiexec).
 """
 
 from __future__ import annotations
@@ -23,25 +28,32 @@ import time
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
 from ..compress import Ctx
 from ..errors import WireFormatError
 from .backend import Backend, Work
+from .base import CompressingExchange, Segment, StrategyTraits, split_message
 from .framing import agree, packet_bound
-from .strategies import Segment, Strategy, split_message
+from .torch_dist import dense_reduce_scatter
+
+__all__ = ["AlltoallReduceScatter", "ReduceScatter", "dense_reduce_scatter"]
 
 
-def dense_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None,
-                         op: dist.ReduceOp.RedOpType) -> None:
-    """torch.distributed's own reduce-scatter (what FSDP2 calls by default), into `out`."""
-    dist.reduce_scatter_tensor(out, x, op=op, group=group)
+class ReduceScatter(CompressingExchange):
+    """Each rank ends with the sum (or mean) of one destination chunk of every rank's input."""
+
+    def reduce_scatter(self, x: torch.Tensor, segments: list[Segment], ctx: Ctx,
+                       average: bool = False) -> Work[torch.Tensor]:
+        """This rank's chunk of the sum (mean with average=True) over ranks. x is `world`
+        destination chunks, each holding `segments` (offsets relative to the chunk)."""
+        raise NotImplementedError
 
 
-class AlltoallReduceScatter(Strategy):
+class AlltoallReduceScatter(ReduceScatter):
     """Per-destination compression, one all-to-all, fp32 decode-and-sum in rank order."""
 
     name = "alltoall"
+    TRAITS = StrategyTraits("alltoall", frozenset({"min_numel"}), reduce_scatter=True, cross_replica=False)
 
     def reduce_scatter(self, x: torch.Tensor, segments: list[Segment], ctx: Ctx,
                        average: bool = False) -> Work[torch.Tensor]:

@@ -32,6 +32,12 @@ def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
     return None
 
 
+def dense_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None,
+                         op: dist.ReduceOp.RedOpType) -> None:
+    """torch.distributed's own reduce-scatter (what FSDP2 calls by default), into `out`."""
+    dist.reduce_scatter_tensor(out, x, op=op, group=group)
+
+
 class TorchDistBackend(Backend):
     allreduce_identical = True  # ring reduce-scatter then allgather: one sum per element, copied
 
@@ -120,7 +126,7 @@ class TorchDistBackend(Backend):
             recv_counts = [row[self.rank] for row in matrix]
         elif len(recv_counts) != self.world_size:
             raise ValueError(f"alltoall needs one receive count per rank ({self.world_size}), got {len(recv_counts)}")
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         send = torch.cat([framed(as_bytes(c)) for c in chunks])
         in_splits = [n * item + TRAILER for n in recv_counts]
         out = torch.zeros(sum(in_splits), dtype=torch.uint8, device=device)

@@ -1,72 +1,11 @@
-"""The faster of a dense and a bf16 allreduce, measured per bucket: `auto`'s dense first steps.
+"""Deprecated (one release): the old home of `FasterUncompressed`, re-exports auto/uncompressed.py."""
 
-A compressor's first steps stay uncompressed (PowerSGD's 40 on the LMs), and on a slow link a
-dense step costs twice a bf16 one (charlm at 100 Mbit/s between two nodes: 261 vs 126 ms), so
-`auto` spends those steps on whichever of the two is faster. bf16 rounds each gradient to 8
-bits of mantissa, which costs no quality there (ppl 8.29 against dense's 8.30).
-"""
+import warnings
 
-from __future__ import annotations
+from .auto.uncompressed import FasterUncompressed
 
-import logging
-from typing import Any
+warnings.warn("gradwire.comm.uncompressed moved to gradwire.comm.auto.uncompressed;"
+              " this alias goes in the next release",
+              DeprecationWarning, stacklevel=2)
 
-import torch
-
-from ..compress import Ctx
-from .backend import Work
-from .strategies import ExchangeStats, Strategy, take_stats_of
-from .turns import TimedTurns
-
-
-log = logging.getLogger("gradwire")
-
-
-class FasterUncompressed(Strategy):
-    """Dense and bf16 take turns (turns.py), one step each: a round untimed, then `rounds` timed
-    rounds. Every bucket then keeps the faster, dense unless bf16 is more than `margin` faster
-    (the same on all ranks)."""
-
-    name = "uncompressed"
-
-    def __init__(self, dense: Strategy, bf16: Strategy, rounds: int = 4, margin: float = 0.03) -> None:
-        super().__init__(dense.backend, "none", error_feedback=False)
-        if rounds < 1:
-            raise ValueError(f"rounds must be >= 1, got {rounds}")
-        self.subs = {"dense": dense, "bf16": bf16}
-        self.rounds, self.margin = int(rounds), float(margin)
-        self.choices: dict[str, str] | None = None  # bucket key -> "dense" or "bf16", once measured
-        self.turns = TimedTurns(self.backend, self.subs)
-
-    @property
-    def measured_per_bucket(self) -> dict[str, dict[str, float]]:
-        return self.turns.measured_per_bucket
-
-    def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
-                 shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
-        if self.choices is None:
-            if self.turns.phase is None:
-                self.turns.start(ctx.step, ["dense", "bf16"], untimed=1, timed=self.rounds)
-            if self.turns.running(ctx.step):
-                return self.turns.exchange(x, key, ctx, average, self.into_input, shapes, keys)
-            self._choose()
-        sub = self.subs[self.choices.get(str(key), "dense")]  # type: ignore[union-attr]
-        sub.into_input = self.into_input
-        return sub.exchange(x, key, ctx, average, shapes, keys)
-
-    def _choose(self) -> None:
-        self.turns.agree()
-        self.choices = {b: "bf16" if t["bf16"] * (1 + self.margin) < t["dense"] else "dense"
-                        for b, t in self.measured_per_bucket.items()}
-        log.info("gradwire auto: uncompressed steps per bucket: %s", "; ".join(
-            f"{b}: {self.choices[b]} (dense {t['dense'] * 1e3:.3f}, bf16 {t['bf16'] * 1e3:.3f} ms)"
-            for b, t in self.measured_per_bucket.items()))
-
-    def take_stats(self) -> ExchangeStats:
-        return take_stats_of(self.subs.values())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # (a resumed run measures again: nothing it carries depends on the choice)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+__all__ = ["FasterUncompressed"]

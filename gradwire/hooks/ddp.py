@@ -21,6 +21,13 @@ Buckets whose packet would not be smaller than dense are allreduced; error feedb
 per parameter. At the first call the ranks compare a fingerprint of their config and all raise
 if they differ, instead of hanging or silently diverging.
 
+The settings are `state.config` (a `DDPConfig`: the rules it shares with the FSDP hook and
+`GradientExchanger` live in gradwire/comm/config.py; `state.get_config()` as plain data). A bad
+compressor spec, an unknown strategy or an option the strategy does not take raise ValueError
+in `register`. Statistics: `state.last_stats` (the last completed step; its "step" key, and
+"iter" for one more release), `state.history` (every step's) and `state.take_stats()` (totals
+since its last call), as on the FSDP hook and `GradientExchanger`.
+
 Compression, randomness and error feedback work per parameter (keyed by its name), so
 results do not depend on how DDP groups parameters into buckets — DDP regroups after its
 first iteration, and a resumed process starts from the initial grouping again.
@@ -44,65 +51,98 @@ iteration uses DDP's initial buckets) then fails with a residual-shape error.
 """
 
 
-import zlib  # no "from __future__ import annotations": DDP inspects the hook's real annotations
-from typing import Any
+from typing import Any  # no "from __future__ import annotations": DDP inspects the hook's real annotations
 
 import torch
 import torch.distributed as dist
 
 from ..comm.backend import Work
-from ..comm.framing import check_same_config
-from ..comm.hierarchical import launcher_ranks_per_node
-from ..comm.registry import make_strategy
-from ..comm.strategies import DenseAllreduce, Strategy, segments_of
+from ..comm.config import ExchangeConfig, config_field, strategy_names
+from ..comm.base import ExchangeStats, Strategy, segments_of
+from ..comm.dense import DenseAllreduce
 from ..comm.torch_dist import TorchDistBackend
-from ..compress import Ctx, compressor as make_compressor, resolve_error_feedback
+from ..compress import Compressor, Ctx
 from ..compress.schedule import ratio_of, warmup_ratio, with_ratio
 from .precondition import make_preconditioner
 
 
-WARMUP_STRATEGIES = ("allgather", "allreduce", "hierarchical")  # strategies that swap their compressor per step
+DEFAULT_COMPRESSOR = "topk:ratio=0.01"
+DEFAULT_STRATEGY = "auto"
+#: strategies that take a new compressor every step, so DGC's density warm-up can run on them
+WARMUP_STRATEGIES = tuple(strategy_names(lambda t: t.swaps_compressor))
+#: the first step at which per-bucket state is keyed reliably: DDP rebuilds its buckets after the first iteration
+SETTLED_STEP = 2
 
 
-class GradwireState:
-    """Everything the hook keeps between calls; pickles without its process group."""
+class DDPConfig(ExchangeConfig):
+    """The DDP hook's config: the shared rules (`gradwire.comm.config`), plus when compression
+    starts (`start_iter`), DGC's density warm-up (`warmup`, `warmup_ratio`) and Adam before the
+    exchange (`precondition`)."""
 
-    def __init__(self, compressor: str = "topk:ratio=0.01", strategy: str = "auto",
-                 process_group: dist.ProcessGroup | None = None, error_feedback: bool | str = "auto",
-                 start_iter: int | None = None, seed: int = 0, model: torch.nn.Module | None = None,
+    ENTRY_POINT = "gradwire hook"
+
+    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str = DEFAULT_STRATEGY, *,
+                 error_feedback: bool | str = "auto", start_iter: int | None = None, seed: int = 0,
                  warmup: int = 0, warmup_ratio: float = 0.25, precondition: str | None = None,
-                 **strategy_options: Any) -> None:
-        c = make_compressor(compressor)
-        self.preconditioner = make_preconditioner(precondition)
-        self.precondition = str(self.preconditioner) if self.preconditioner is not None else ""
+                 strategy_options: dict[str, Any] | None = None, **options: Any) -> None:
+        super().__init__(compressor, strategy, error_feedback=error_feedback, seed=seed,
+                         strategy_options=strategy_options, **options)
+        preconditioner = make_preconditioner(precondition)
+        self.precondition = str(preconditioner) if preconditioner is not None else ""
         self.warmup, self.warmup_ratio = int(warmup), float(warmup_ratio)
         if self.warmup < 0 or not 0.0 < self.warmup_ratio <= 1.0:
             raise ValueError(f"warmup must be >= 0 and 0 < warmup_ratio <= 1, got {warmup}, {warmup_ratio}")
         if self.warmup:
-            with_ratio(c, 1.0)  # a sparsifier with ratio=, or raise
-            if strategy not in WARMUP_STRATEGIES:
+            with_ratio(self.parsed_compressor, 1.0)  # a sparsifier with ratio=, or raise
+            if not self.traits.swaps_compressor:
                 raise ValueError(f"warmup works on the {', '.join(WARMUP_STRATEGIES)} strategies, not {strategy!r}")
-        self._final = c
-        self._tuned = -1  # the step whose warm-up compressor the strategy holds
-        self.compressor = str(c)
-        self.strategy_name = strategy
-        powersgd = strategy == "powersgd" or (strategy in ("hierarchical", "auto")
-                                              and strategy_options.get("inner") == "powersgd")
-        if powersgd and error_feedback == "auto":
-            error_feedback = True  # PowerSGD's own error feedback, on by default as in torch's powerSGD_hook
-        self.error_feedback = resolve_error_feedback(error_feedback, c)
-        stateful = (self.error_feedback or strategy in ("powersgd", "artopk", "oktopk", "hierarchical")
-                    or (strategy == "auto" and not c.summable))
-        self.start_iter = (2 if stateful else 0) if start_iter is None else int(start_iter)
-        self.seed = int(seed)
-        self.strategy_options = dict(strategy_options)
-        if self.start_iter < 2 and stateful:
-            raise ValueError("start_iter must be >= 2 when error feedback or per-bucket state is used: "
+        earliest = SETTLED_STEP if self.keeps_state else 0
+        self.start_iter = earliest if start_iter is None else int(start_iter)
+        if self.start_iter < earliest:
+            raise ValueError(f"start_iter must be >= {SETTLED_STEP} when error feedback or per-bucket state is used: "
                              "DDP rebuilds its buckets after the first iteration")
+
+    def _own_fields(self) -> dict[str, Any]:
+        return {"start_iter": self.start_iter, "warmup": self.warmup, "warmup_ratio": self.warmup_ratio,
+                "precondition": self.precondition}
+
+    def fingerprint_text(self) -> str:
+        """The text saved states have been stamped with since the first release: kept as it is, so
+        their fingerprints (and whether they load) do not change."""
+        text = (f"{self.compressor}|{self.strategy}|{self.error_feedback}|{self.start_iter}|{self.seed}|"
+                f"{sorted(self.strategy_options.items())}")
+        if self.warmup:  # (only then: fingerprints of states saved before warm-up existed stay valid)
+            text += f"|warmup={self.warmup},{self.warmup_ratio}"
+        if self.precondition:
+            text += f"|precondition={self.precondition}"
+        return text
+
+
+class GradwireState:
+    """Everything the hook keeps between calls; pickles without its process group.
+
+    compressor: a spec string (default ``"topk:ratio=0.01"``). strategy: default ``"auto"``.
+    Unknown strategy names, options a strategy does not take and bad compressor specs raise
+    ValueError here, naming the valid ones. `config` holds the settings (`get_config()` as plain
+    data); `last_stats` is the last completed step's statistics (with "step"; its "iter" key is
+    the same number, kept for one release), `history` every step's, `take_stats()` the totals
+    since its last call."""
+
+    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str = DEFAULT_STRATEGY,
+                 process_group: dist.ProcessGroup | None = None, error_feedback: bool | str = "auto",
+                 start_iter: int | None = None, seed: int = 0, model: torch.nn.Module | None = None,
+                 warmup: int = 0, warmup_ratio: float = 0.25, precondition: str | None = None,
+                 **strategy_options: Any) -> None:
+        self.config = DDPConfig(compressor, strategy, error_feedback=error_feedback, start_iter=start_iter,
+                                seed=seed, warmup=warmup, warmup_ratio=warmup_ratio, precondition=precondition,
+                                **strategy_options)
+        self.preconditioner = make_preconditioner(self.config.precondition)
+        self._tuned = -1  # the step whose warm-up compressor the strategy holds
         self.process_group = process_group
         self.iter = 0
         self.last_stats: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
+        self._untaken = ExchangeStats()  # totals since the last take_stats()
         self._strategy: Strategy | None = None
         self._dense: DenseAllreduce | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -113,6 +153,16 @@ class GradwireState:
         self._param_shapes: list[torch.Size] | None = None
         if model is not None:
             self.attach(model)
+
+    compressor = config_field("compressor")
+    strategy_name = config_field("strategy")
+    strategy_options = config_field("strategy_options")
+    error_feedback = config_field("error_feedback")
+    start_iter = config_field("start_iter")
+    seed = config_field("seed")
+    warmup = config_field("warmup")
+    warmup_ratio = config_field("warmup_ratio")
+    precondition = config_field("precondition")
 
     def attach(self, model: torch.nn.Module) -> None:
         """Learn the model's parameter names: the stable keys of per-parameter state."""
@@ -129,20 +179,14 @@ class GradwireState:
         return [self._param_names[id(p)] for p in bucket.parameters()]
 
     # ---- identity ------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        return self.config.get_config()
+
     def fingerprint(self) -> int:
-        desc = f"{self.compressor}|{self.strategy_name}|{self.error_feedback}|{self.start_iter}|{self.seed}|" \
-               f"{sorted(self.strategy_options.items())}"
-        if self.warmup:  # (only then: fingerprints of states saved before warm-up existed stay valid)
-            desc += f"|warmup={self.warmup},{self.warmup_ratio}"
-        if self.precondition:
-            desc += f"|precondition={self.precondition}"
-        return zlib.crc32(desc.encode())
+        return self.config.fingerprint()
 
     def describe(self) -> str:
-        return (f"compressor={self.compressor!r} strategy={self.strategy_name!r} error_feedback={self.error_feedback} "
-                f"start_iter={self.start_iter} seed={self.seed} warmup={self.warmup},{self.warmup_ratio} "
-                f"precondition={self.precondition!r} "
-                f"options={self.strategy_options}")
+        return self.config.describe()
 
     # ---- lazily built pieces -------------------------------------------------------
     @property
@@ -153,11 +197,7 @@ class GradwireState:
     def strategy(self) -> Strategy:
         if self._strategy is None:
             backend = TorchDistBackend(self.process_group)
-            options = dict(self.strategy_options)
-            if self.strategy_name == "powersgd" or options.get("inner") == "powersgd":
-                options.setdefault("seed", self.seed)  # PowerSGD's shared random init
-            self._strategy = make_strategy(self.strategy_name, backend, self.compressor,
-                                           error_feedback=self.error_feedback, **options)
+            self._strategy = self.config.build_strategy(backend)
             self._strategy.into_input = True  # the bucket buffer may hold the result, as in torch's hooks
             if self._strategy.warmup_strategy is not None:
                 self._strategy.warmup_strategy.into_input = True
@@ -177,34 +217,37 @@ class GradwireState:
         return self._dense
 
     def _check_config(self) -> None:
-        """Every rank's config (and the launcher's node size, which `auto` and `hierarchical`
-        read) must match, checked over a fresh backend *before* the strategy is built: building
-        `auto` or `hierarchical` already runs collectives that mismatched ranks would hang in."""
-        check_same_config(TorchDistBackend(self.process_group),
-                          f"{self.describe()} ranks_per_node(launcher)={launcher_ranks_per_node()}",
-                          "gradwire hook configs")
+        """Every rank's config must match, checked over a fresh backend *before* the strategy is
+        built (`ExchangeConfig.check_across_ranks`)."""
+        self.config.check_across_ranks([TorchDistBackend(self.process_group)], self.describe())
         self._checked = True
 
     # ---- per-step bookkeeping --------------------------------------------------------
     def _record(self, step: int) -> None:
         """Close one step's statistics (runs when all of its buckets' exchanges have completed)."""
-        merged = self.strategy.take_stats().merge(self.dense.take_stats()).as_dict()
-        merged["iter"] = step
-        if step >= self.start_iter and ratio_of(self._final) is not None:
+        stats = self.strategy.take_stats().merge(self.dense.take_stats())
+        self._untaken = self._untaken.merge(stats)
+        merged = {**stats.as_dict(), "step": step, "iter": step}  # ("iter": the old name, kept for one release)
+        if step >= self.start_iter and ratio_of(self.config.parsed_compressor) is not None:
             merged["density"] = self.density(step)
         self.last_stats = merged
         self.history.append(merged)
 
+    def take_stats(self) -> ExchangeStats:
+        """Totals (bytes, seconds) of the steps completed since the last call."""
+        stats, self._untaken = self._untaken, ExchangeStats()
+        return stats
+
     def density(self, step: int) -> float:
         """The sparsifier's ratio at hook step `step` (the warm-up's, then the compressor's own)."""
-        final = ratio_of(self._final)
+        final = ratio_of(self.config.parsed_compressor)
         assert final is not None
         return warmup_ratio(final, step - self.start_iter, self.warmup, self.warmup_ratio) if self.warmup else final
 
     def _tune(self, step: int) -> None:
         """During the warm-up, give the strategy this step's compressor (once per step)."""
         if self.warmup and step <= self.start_iter + self.warmup and self._tuned != step:
-            self.strategy.set_compressor(with_ratio(self._final, self.density(step)))
+            self.strategy.set_compressor(with_ratio(self.config.parsed_compressor, self.density(step)))
             self._tuned = step
 
     # ---- checkpointing ---------------------------------------------------------------
@@ -212,15 +255,10 @@ class GradwireState:
         strategy_state = self._strategy.state_dict() if self._strategy is not None else self._pending_state
         pre = self.preconditioner.state_dict() if self.preconditioner is not None else None
         return {"fingerprint": self.fingerprint(), "iter": self.iter, "strategy": strategy_state, "precondition": pre,
-                "config": {"compressor": self.compressor, "strategy": self.strategy_name,
-                           "error_feedback": self.error_feedback, "start_iter": self.start_iter,
-                           "seed": self.seed, "warmup": self.warmup, "warmup_ratio": self.warmup_ratio,
-                           "precondition": self.precondition,
-                           "strategy_options": self.strategy_options}}
+                "config": self.get_config()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["fingerprint"] != self.fingerprint():
-            raise ValueError(f"checkpoint was saved with {state['config']}, this hook has {self.describe()}")
+        self.config.check_saved(state)
         self.iter = int(state["iter"])
         if self.preconditioner is not None:
             self.preconditioner.load_state_dict(state["precondition"])
@@ -238,8 +276,11 @@ class GradwireState:
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
+        if "config" not in d:  # pickled before the config object: its fields were the state's own
+            d = _with_config(d)
         self.__dict__.update(d)
         self.__dict__.setdefault("_param_shapes", None)  # (states pickled before auto's low-rank candidates)
+        self.__dict__.setdefault("_untaken", ExchangeStats())
         self.process_group = None  # set it again if a non-default group is used
         self._strategy = None
         self._dense = None
@@ -247,6 +288,19 @@ class GradwireState:
         self._param_names = {}
         self._in_flight = []
         self._tuned = -1
+
+
+_PICKLED_FIELDS = ("compressor", "strategy_name", "error_feedback", "start_iter", "seed", "warmup", "warmup_ratio",
+                   "precondition", "strategy_options", "_final")
+
+
+def _with_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A state pickled before `config` existed, its settings moved into a `DDPConfig`."""
+    config = DDPConfig(d["compressor"], d["strategy_name"], error_feedback=d["error_feedback"],
+                       start_iter=d["start_iter"], seed=d["seed"], warmup=d.get("warmup", 0),
+                       warmup_ratio=d.get("warmup_ratio", 0.25), precondition=d.get("precondition") or None,
+                       strategy_options=d["strategy_options"])
+    return {**{k: v for k, v in d.items() if k not in _PICKLED_FIELDS}, "config": config}
 
 
 def gradwire_hook(state: GradwireState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -285,9 +339,12 @@ def gradwire_hook(state: GradwireState, bucket: dist.GradBucket) -> torch.future
     return future
 
 
-def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str = "topk:ratio=0.01",
+def register(model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor | str = DEFAULT_COMPRESSOR, *,
              state: GradwireState | None = None, **options: Any) -> GradwireState:
-    """One line: build the state (or re-attach a given one), register the hook, return the state."""
+    """One line: build the state (or re-attach a given one, `state=`), register the hook, return
+    the state. `options` are `GradwireState`'s (defaults: compressor ``"topk:ratio=0.01"``,
+    strategy ``"auto"``); unknown strategies and options raise ValueError here, not at the
+    first backward."""
     if state is None:
         state = GradwireState(compressor, process_group=getattr(model, "process_group", None), **options)
     elif options:

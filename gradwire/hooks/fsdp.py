@@ -22,13 +22,20 @@ State (residuals, PowerSGD memories, step counts) is per parameter shard and per
 in `state_dict()`; with `torch.distributed.checkpoint` save `state.dcp()` next to the model and
 optimizer (see docs/fsdp.md). At the first call the ranks compare a fingerprint of their configs
 and all raise ConfigMismatchError if they differ.
+
+The settings are `state.config` (an `FSDPConfig`: the rules it shares with the DDP hook and
+`GradientExchanger` live in gradwire/comm/config.py; `state.get_config()` as plain data); bad
+specs, unknown strategies and options raise ValueError in `register`. Statistics:
+`state.last_stats` (the last step every FSDP group has completed, with "step") and
+`state.take_stats()` (totals since its last call), as on the DDP hook and `GradientExchanger`;
+the old `state.stats` still works for one release, with a DeprecationWarning.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import time
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,12 +49,12 @@ except ImportError as exc:  # pragma: no cover - torch before FSDP2's public API
     raise ImportError(f"gradwire.hooks.fsdp needs FSDP2 (torch.distributed.fsdp.FSDPModule); torch "
                       f"{torch.__version__} has none") from exc
 
-from ..comm.registry import make_strategy
-from ..comm.reduce_scatter import AlltoallReduceScatter, dense_reduce_scatter
-from ..comm.strategies import ExchangeStats, Segment, Strategy
-from ..comm.torch_dist import TorchDistBackend
-from ..compress import Ctx, compressor as make_compressor, resolve_error_feedback
-from ..errors import ConfigMismatchError
+from ..comm.config import ExchangeConfig, accepted_options, config_field, strategy_names
+from ..comm.reduce_scatter import ReduceScatter
+from ..comm.registry import StrategyTraits
+from ..comm.base import ExchangeStats, Segment, Strategy
+from ..comm.torch_dist import TorchDistBackend, dense_reduce_scatter
+from ..compress import Compressor, Ctx, compressor as make_compressor
 
 try:  # the interface FSDP2 expects; private in torch 2.13
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
@@ -79,73 +86,132 @@ class _Unit:
         self.numel = offset
 
 
-class FSDPGradwireState:
-    """Config, strategies and per-shard state of the FSDP hook."""
+DEFAULT_COMPRESSOR = "int8"
+REDUCE_SCATTER_STRATEGY = "alltoall"  # plain FSDP's default (and only) strategy
 
-    def __init__(self, compressor: str = "int8", strategy: str | None = None, error_feedback: bool | str = "auto",
-                 seed: int = 0, min_numel: int = 0, replicate_group: dist.ProcessGroup | None = None,
-                 **strategy_options: Any) -> None:
-        c = make_compressor(compressor)
-        self.compressor = str(c)
-        self.hsdp = replicate_group is not None
-        if not self.hsdp and strategy not in (None, "alltoall"):
-            why = (" PowerSGD needs an all-reduce: every rank must multiply the same summed factor, but a"
-                   " reduce-scatter sends each rank a different chunk." if strategy == "powersgd" else "")
-            raise ValueError(f"FSDP's reduce-scatter is compressed by the 'alltoall' exchange only, got "
-                             f"strategy={strategy!r}.{why} Shard inside nodes and pass replicate_group= (HSDP) "
-                             "to use it on the cross-replica all-reduce.")
-        if strategy is None:
-            strategy = "alltoall" if not self.hsdp else ("allreduce" if c.summable else "allgather")
-        if self.hsdp and strategy in ("alltoall", "auto"):
-            raise ValueError(f"strategy {strategy!r} does not apply to HSDP's cross-replica all-reduce; "
-                             "use allreduce, allgather, artopk, powersgd or dense")
-        self.strategy_name = strategy
-        if strategy == "powersgd" and error_feedback == "auto":
-            error_feedback = True  # PowerSGD's own error feedback, on by default as in torch's hook
-        self.error_feedback = resolve_error_feedback(error_feedback, c)
-        self.seed = int(seed)
+
+def default_strategy(compressor: Compressor | str, hsdp: bool) -> str:
+    """FSDP: the compressed reduce-scatter; HSDP: an allreduce for summable compressors, else an
+    allgather of packets."""
+    if not hsdp:
+        return REDUCE_SCATTER_STRATEGY
+    return "allreduce" if make_compressor(compressor).summable else "allgather"
+
+
+class FSDPConfig(ExchangeConfig):
+    """The FSDP hook's config: the shared rules (`gradwire.comm.config`), plus `min_numel` (smaller
+    parameter shards travel raw) and whether it serves HSDP's cross-replica all-reduce (`hsdp`)."""
+
+    ENTRY_POINT = "gradwire FSDP hook"
+
+    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str | None = None, *,
+                 hsdp: bool = False, error_feedback: bool | str = "auto", seed: int = 0, min_numel: int = 0,
+                 strategy_options: dict[str, Any] | None = None, **options: Any) -> None:
+        self.hsdp = bool(hsdp)
         self.min_numel = int(min_numel)
-        self.strategy_options = dict(strategy_options)
-        if strategy_options and strategy not in ("powersgd", "allgather"):
-            raise ValueError(f"strategy {strategy!r} takes no options, got {sorted(strategy_options)}")
+        super().__init__(compressor, default_strategy(compressor, self.hsdp) if strategy is None else strategy,
+                         error_feedback=error_feedback, seed=seed, strategy_options=strategy_options, **options)
+
+    def _check_fits(self, found: StrategyTraits) -> None:
+        if not self.hsdp and not found.reduce_scatter:
+            allowed = " or ".join(repr(n) for n in strategy_names(lambda t: t.reduce_scatter))
+            why = (" A strategy that compresses by itself (PowerSGD) needs an all-reduce: every rank must multiply "
+                   "the same summed factor, but a reduce-scatter sends each rank a different chunk."
+                   if found.own_compression else "")
+            raise ValueError(f"FSDP's reduce-scatter is compressed by the {allowed} exchange only, got "
+                             f"strategy={found.name!r}.{why} Shard inside nodes and pass replicate_group= (HSDP) "
+                             "to use it on the cross-replica all-reduce.")
+        if self.hsdp and not found.cross_replica:
+            raise ValueError(f"strategy {found.name!r} does not apply to HSDP's cross-replica all-reduce; use "
+                             f"{', '.join(strategy_names(lambda t: t.cross_replica))}")
+
+    def _own_fields(self) -> dict[str, Any]:
+        return {"min_numel": self.min_numel, "hsdp": self.hsdp}
+
+    def build_options(self) -> dict[str, Any]:
+        """The shared options, and `min_numel` for a strategy that takes it."""
+        options = super().build_options()
+        if "min_numel" in (accepted_options(self.traits, self.strategy_options) or ()):
+            options.setdefault("min_numel", self.min_numel)
+        return options
+
+    def fingerprint_text(self) -> str:
+        """The text saved states have been stamped with (the state appends its layout): kept as it
+        is, so their fingerprints (and whether they load) do not change."""
+        return (f"compressor={self.compressor!r} strategy={self.strategy!r} error_feedback={self.error_feedback} "
+                f"seed={self.seed} min_numel={self.min_numel} options={self.strategy_options} hsdp={self.hsdp}")
+
+
+class FSDPGradwireState:
+    """Config, strategies and per-shard state of the FSDP hook.
+
+    compressor: a spec string (default ``"int8"``). strategy: default ``"alltoall"`` (the
+    compressed reduce-scatter, the only one plain FSDP takes); with `replicate_group=` (HSDP)
+    ``"allreduce"`` for summable compressors, else ``"allgather"``. Unknown strategies and options
+    raise ValueError here. `config` holds the settings (`get_config()` as plain data);
+    `last_stats` is the last step every FSDP group has completed (with "step"), `take_stats()`
+    the totals since its last call."""
+
+    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str | None = None,
+                 error_feedback: bool | str = "auto", seed: int = 0, min_numel: int = 0,
+                 replicate_group: dist.ProcessGroup | None = None, **strategy_options: Any) -> None:
+        self.config = FSDPConfig(compressor, strategy, hsdp=replicate_group is not None,
+                                 error_feedback=error_feedback, seed=seed, min_numel=min_numel, **strategy_options)
         self.replicate_group = replicate_group
         self.units: dict[str, _Unit] = {}
-        self.stats = ExchangeStats()
-        self._strategy: Strategy | None = None
+        self.last_stats: dict[str, Any] | None = None
+        self._untaken = ExchangeStats()  # totals since the last take_stats()
+        self._open_steps: dict[int, tuple[ExchangeStats, int]] = {}  # step -> (its totals so far, groups done)
+        self._strategy: Strategy | ReduceScatter | None = None
         self._shard_group: dist.ProcessGroup | None = None
         self._pending: dict[str, Any] | None = None
         self._checked = False
-        if self.hsdp:  # built now: make_strategy validates the options at once
-            self._strategy = self._make_hsdp_strategy()
+        if self.hsdp:  # built now, as before: building checks the options' values (e.g. PowerSGD's rank)
+            self._strategy = self.config.build_strategy(TorchDistBackend(self.replicate_group))
+
+    compressor = config_field("compressor")
+    strategy_name = config_field("strategy")
+    strategy_options = config_field("strategy_options")
+    error_feedback = config_field("error_feedback")
+    seed = config_field("seed")
+    min_numel = config_field("min_numel")
+    hsdp = config_field("hsdp")
+
+    @property
+    def stats(self) -> ExchangeStats:
+        """Deprecated: the totals since the last `take_stats()`; call `take_stats()`."""
+        warnings.warn("FSDPGradwireState.stats is deprecated and will be removed in the next release; "
+                      "use take_stats() (or last_stats)", DeprecationWarning, stacklevel=2)
+        return self._untaken
+
+    @stats.setter
+    def stats(self, value: ExchangeStats) -> None:
+        warnings.warn("FSDPGradwireState.stats is deprecated and will be removed in the next release; "
+                      "use take_stats() (or last_stats)", DeprecationWarning, stacklevel=2)
+        self._untaken = value
 
     # ---- identity ------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        return self.config.get_config()
+
     def layout_checksum(self) -> int:
         desc = ";".join(f"{u.name}:{list(zip(u.keys, map(tuple, u.shapes)))}" for u in self.units.values())
         return zlib.crc32(desc.encode())
 
+    def _layout(self) -> str:
+        return f" layout={self.layout_checksum():#010x}"
+
     def describe(self) -> str:
-        return (f"compressor={self.compressor!r} strategy={self.strategy_name!r} error_feedback={self.error_feedback} "
-                f"seed={self.seed} min_numel={self.min_numel} options={self.strategy_options} hsdp={self.hsdp} "
-                f"layout={self.layout_checksum():#010x}")
+        return self.config.describe() + self._layout()
 
     def fingerprint(self) -> int:
-        return zlib.crc32(self.describe().encode())
+        return self.config.fingerprint(self._layout())
 
     # ---- strategies ----------------------------------------------------------------
-    def _make_hsdp_strategy(self) -> Strategy:
-        options = dict(self.strategy_options)
-        if self.strategy_name == "powersgd":
-            options.setdefault("seed", self.seed)
-        elif self.strategy_name == "allgather":
-            options.setdefault("min_numel", self.min_numel)
-        return make_strategy(self.strategy_name, TorchDistBackend(self.replicate_group), self.compressor,
-                             error_feedback=self.error_feedback, **options)
-
-    def _reduce_scatter_strategy(self, group: dist.ProcessGroup) -> Strategy:
+    def _reduce_scatter_strategy(self, group: dist.ProcessGroup) -> ReduceScatter:
         if self._strategy is None:
             self._shard_group = group
-            self._strategy = AlltoallReduceScatter(TorchDistBackend(group), self.compressor,
-                                                   self.error_feedback, self.min_numel)
+            self._strategy = self.config.build_strategy(TorchDistBackend(group))
             if self._pending is not None:
                 self._strategy.load_state_dict(self._pending)
                 self._pending = None
@@ -154,23 +220,22 @@ class FSDPGradwireState:
         return self._strategy
 
     def _check_config(self, shard_group: dist.ProcessGroup) -> None:
-        """Every rank learns every rank's config digest: over the shard group, then (HSDP) what
-        each shard group saw over the replicate group, which reaches the whole 2-D mesh. Fixed-layout
-        integers and text only: nothing a peer sends is unpickled."""
-        desc = self.describe()
-        digest = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little", signed=True)
-        shard = TorchDistBackend(shard_group)
-        pairs = [v for row in shard.allgather_ints([dist.get_rank(), digest]) for v in row]
-        members = pairs[0::2]  # this shard group's global ranks
-        if self.hsdp:
-            replicate = TorchDistBackend(self.replicate_group)
-            pairs = [v for row in replicate.allgather_ints(pairs) for v in row]
-        if len(set(pairs[1::2])) > 1:  # every rank saw the same pairs: all take this branch together
-            lines = "\n".join(f"  rank {r}: {d}" for r, d in zip(members, shard.allgather_text(desc)))
-            if self.hsdp:
-                lines = "\n".join(replicate.allgather_text(lines, limit=8192))
-            raise ConfigMismatchError(f"gradwire FSDP hook configs differ across ranks:\n{lines}")
+        """Every rank's config and layout must match: over the shard group, then (HSDP) relayed over
+        the replicate group, which reaches the whole 2-D mesh (`ExchangeConfig.check_across_ranks`)."""
+        groups = [shard_group] + ([self.replicate_group] if self.hsdp else [])
+        self.config.check_across_ranks([TorchDistBackend(g) for g in groups], self.describe(),
+                                       global_rank=dist.get_rank())
         self._checked = True
+
+    def _count(self, step: int, stats: ExchangeStats) -> None:
+        """Add one FSDP group's exchange at `step`; the step's record closes when every group has had its."""
+        self._untaken = self._untaken.merge(stats)
+        so_far, done = self._open_steps.pop(step, (ExchangeStats(), 0))
+        so_far, done = so_far.merge(stats), done + 1
+        if done >= len(self.units):
+            self.last_stats = {**so_far.as_dict(), "step": step}
+        else:
+            self._open_steps[step] = (so_far, done)
 
     # ---- the two entry points --------------------------------------------------------
     def reduce_scatter(self, unit: _Unit, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup,
@@ -195,14 +260,14 @@ class FSDPGradwireState:
             t0 = time.perf_counter()
             dense_reduce_scatter(out, x, group, op)
             nbytes = (world - 1) * unit.numel * x.element_size()  # a ring reduce-scatter's share
-            self.stats = self.stats.merge(ExchangeStats(nbytes, nbytes, nbytes, exchange_s=time.perf_counter() - t0,
-                                                        buckets={unit.name: "dense"}))
+            self._count(step, ExchangeStats(nbytes, nbytes, nbytes, exchange_s=time.perf_counter() - t0,
+                                            buckets={unit.name: "dense"}))
             return
         strategy = self._reduce_scatter_strategy(group)
         ctx = Ctx(seed=self.seed, step=step, rank=strategy.backend.rank)
-        result = strategy.reduce_scatter(x, unit.segments, ctx, average=average).wait()  # type: ignore[attr-defined]
+        result = strategy.reduce_scatter(x, unit.segments, ctx, average=average).wait()
         out.copy_(result)
-        self.stats = self.stats.merge(strategy.take_stats())
+        self._count(step, strategy.take_stats())
 
     def all_reduce(self, unit: _Unit, shard: torch.Tensor) -> None:
         """HSDP: average the reduce-scattered shard over the replicas, in place."""
@@ -218,11 +283,11 @@ class FSDPGradwireState:
         result = self._strategy.exchange(shard, unit.name, ctx, average=True, shapes=unit.shapes,
                                          keys=unit.keys).wait()
         shard.copy_(result)
-        self.stats = self.stats.merge(self._strategy.take_stats())
+        self._count(step, self._strategy.take_stats())
 
     def take_stats(self) -> ExchangeStats:
         """Totals since the last call (bytes, seconds), over every FSDP group."""
-        stats, self.stats = self.stats, ExchangeStats()
+        stats, self._untaken = self._untaken, ExchangeStats()
         return stats
 
     # ---- checkpointing ---------------------------------------------------------------
@@ -232,8 +297,7 @@ class FSDPGradwireState:
                 "calls": {n: u.calls for n, u in self.units.items()}, "strategy": strategy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["fingerprint"] != self.fingerprint():
-            raise ValueError(f"checkpoint was saved with {state['describe']}, this hook has {self.describe()}")
+        self.config.check_saved(state, self.fingerprint())  # (its fingerprint covers the layout too)
         if state["rank"] != dist.get_rank():
             raise ValueError(f"this state belongs to rank {state['rank']}, not {dist.get_rank()}")
         for name, calls in state["calls"].items():
@@ -311,12 +375,14 @@ def _units(model: torch.nn.Module) -> list[tuple[FSDPModule, Any, _Unit]]:
     return out
 
 
-def register(model: torch.nn.Module, compressor: str = "int8", *, state: FSDPGradwireState | None = None,
-             **options: Any) -> FSDPGradwireState:
+def register(model: torch.nn.Module, compressor: Compressor | str = DEFAULT_COMPRESSOR, *,
+             state: FSDPGradwireState | None = None, **options: Any) -> FSDPGradwireState:
     """Put gradwire on an FSDP2 model (after `fully_shard`): a compressed reduce-scatter on every
     FSDP module that owns parameters, or with `replicate_group=` a compressed cross-replica
     all-reduce. Every trainable parameter must get a gradient each step (else a clear error says to
-    call `model.set_reduce_scatter_unused_params(True)`), so every step has the same layout."""
+    call `model.set_reduce_scatter_unused_params(True)`), so every step has the same layout.
+    `options` are `FSDPGradwireState`'s (defaults: compressor ``"int8"``, strategy ``"alltoall"``,
+    HSDP: allreduce or allgather); unknown strategies and options raise ValueError here."""
     if state is None:
         state = FSDPGradwireState(compressor, **options)
     elif options:

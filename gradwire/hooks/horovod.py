@@ -11,9 +11,11 @@ Two objects:
 
 - `DistributedOptimizer(optimizer, named_parameters, compression="topk:ratio=0.01", ...)`:
   a drop-in for `hvd.DistributedOptimizer` taking any gradwire compressor, with error
-  feedback. Summable payloads go through Horovod's allreduce; all others are serialized to
-  uint8 packets and exchanged by Horovod's allgather, then every rank decodes every packet
-  and sums them in rank order, so all ranks hold bit-identical gradients.
+  feedback. Each parameter's gradient is exchanged by one of gradwire's shared strategies
+  over a `HorovodBackend` (gradwire/comm/horovod.py): by default summable payloads Horovod
+  can sum go through the `allreduce` strategy, all others through `allgather` (packets
+  decoded and summed in rank order on every rank, so all ranks hold bit-identical gradients);
+  ``strategy=`` picks any other registered strategy.
 
 Exchanges start from gradient hooks as soon as a parameter's gradient is accumulated and
 finish in `step()` / `synchronize()`, as in Horovod's own optimizer. `state_dict()` of the
@@ -30,30 +32,14 @@ from typing import Any, ClassVar, Iterable
 
 import torch
 
+from ..comm.backend import Work
+from ..comm.horovod import HorovodBackend, horovod_sums, hvd, need_horovod
+from ..comm.registry import STRATEGIES, make_strategy, traits
+from ..comm.allgather import Allgather
+from ..comm.base import ExchangeStats, Strategy, take_stats_of
+from ..comm.dense import Allreduce, DenseAllreduce
 from ..compress import Compressor, Ctx, ErrorFeedback, compressor as make_compressor, resolve_error_feedback
 from ..errors import WireFormatError
-
-try:  # Horovod is optional: importing this module without it only fails on use
-    import horovod.torch as hvd
-except ImportError:  # pragma: no cover - exercised only where horovod is missing
-    hvd = None
-
-
-def _need_hvd() -> Any:
-    if hvd is None:
-        raise ImportError("gradwire.hooks.horovod needs Horovod with PyTorch support "
-                          "(see scripts/install-horovod.sh)")
-    return hvd
-
-
-def _allreducible(t: torch.Tensor) -> bool:
-    """Whether Horovod's torch extension can allreduce tensors like t (0.28.1 has no bfloat16)."""
-    try:
-        from horovod.torch import mpi_ops
-
-        return hasattr(mpi_ops.mpi_lib, "horovod_torch_allreduce_async_" + t.type().replace(".", "_"))
-    except Exception:  # noqa: BLE001 - private interface changed: assume the classic dtypes
-        return t.dtype in (torch.float16, torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------
@@ -112,7 +98,7 @@ class Compression:
             return tensor, None  # what Horovod's own compressors leave alone (and float64)
         ctx = self._ctx(tensor)
         payload = self.compressor.to_summable(tensor, ctx)
-        if not _allreducible(payload):
+        if not horovod_sums(payload):
             # Horovod cannot allreduce this dtype (bfloat16): carry the rounded values in fp32.
             if not self._warned:
                 warnings.warn(f"Horovod cannot allreduce {payload.dtype} tensors; {self.compressor} payloads "
@@ -139,25 +125,15 @@ Compression.bf16 = Compression("bf16")
 # ---------------------------------------------------------------------------------------
 
 _SUBCLASSES: dict[type, type] = {}
-_LENGTH_BYTES = 8  # each rank's allgather message starts with its packet length (int64)
 
-
-def split_allgathered(out: torch.Tensor, world: int, name: str) -> list[tuple[int, int]]:
-    """(start, end) of each rank's packet in a Horovod allgather of `world` length-prefixed
-    packets; a missing, overlong or trailing byte raises WireFormatError."""
-    spans, pos = [], 0
-    for r in range(world):
-        if pos + _LENGTH_BYTES > out.numel():
-            raise WireFormatError(f"allgather of {name!r}: rank {r}'s message is missing")
-        n = int(out[pos: pos + _LENGTH_BYTES].clone().view(torch.int64))
-        pos += _LENGTH_BYTES
-        if n < 0 or pos + n > out.numel():
-            raise WireFormatError(f"allgather of {name!r}: rank {r} declares {n} bytes, {out.numel() - pos} remain")
-        spans.append((pos, pos + n))
-        pos += n
-    if pos != out.numel():
-        raise WireFormatError(f"allgather of {name!r}: {out.numel()} bytes, the length prefixes describe {pos}")
-    return spans
+# Strategies whose exchange only issues collectives and never waits inside `exchange`, so they
+# may start from gradient hooks in whatever order a rank's backward reaches them. Others (e.g.
+# artopk's leader broadcast) start in `synchronize()`, in parameter order on every rank.
+_STARTS_FROM_HOOKS = (Allreduce, Allgather, DenseAllreduce)
+# Strategies whose sum is one allreduce of a linear payload: with op=hvd.Average they get the
+# sum from a backend that averages as hvd.Average does, which hvd.DistributedOptimizer matches
+# bit for bit (the strategies' own average divides before the sum).
+_HOROVOD_AVERAGES = (Allreduce, DenseAllreduce)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -179,6 +155,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: local accumulation passes before each exchange.
         op: ``hvd.Average`` or ``hvd.Sum``.
         seed: seed of the compressors' randomness (the same on every rank).
+        strategy: a registered strategy name (`gradwire.comm.registry.STRATEGIES`) for every
+            parameter; None (default): `allreduce` for payloads Horovod can sum, else `allgather`.
+        strategy_options: options of that strategy (e.g. ``{"min_numel": 1024}`` for allgather).
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> "DistributedOptimizer":
@@ -195,19 +174,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  compression: str | Compressor | Compression = "topk:ratio=0.01", error_feedback: bool | str = "auto",
-                 backward_passes_per_step: int = 1, op: Any = None, seed: int = 0) -> None:
-        h = _need_hvd()
+                 backward_passes_per_step: int = 1, op: Any = None, seed: int = 0, strategy: str | None = None,
+                 strategy_options: dict[str, Any] | None = None) -> None:
+        h = need_horovod()
         super().__init__(optimizer.param_groups)  # the wrapped class's __init__, on shared groups
         self.defaults = optimizer.defaults
         if isinstance(compression, Compression):
             compression = compression.compressor
         self._gw_compressor = make_compressor(compression)
-        self._gw_raw = make_compressor("none")
-        wanted = resolve_error_feedback(error_feedback, self._gw_compressor)
-        self._gw_feedback = ErrorFeedback(self._gw_compressor) if wanted else None
-        self._gw_seed = int(seed)
-        self._gw_step = 0
-        self._gw_ar_ok: dict[tuple, bool] = {}
         op = h.Average if op is None else op
         if op not in (h.Average, h.Sum):
             raise ValueError("gradwire DistributedOptimizer supports op=hvd.Average or hvd.Sum")
@@ -215,6 +189,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if int(backward_passes_per_step) < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         self.backward_passes_per_step = int(backward_passes_per_step)
+        self._gw_seed = int(seed)
+        self._gw_step = 0
+        self._gw_setup_strategies(strategy, dict(strategy_options or {}), error_feedback)
 
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is None:
@@ -235,7 +212,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{len(unnamed)} optimizer parameter(s) are not in named_parameters")
         self._gw_names: dict[torch.Tensor, str] = {p: by_id[id(p)] for p in params}
         self._gw_delay = {p: self.backward_passes_per_step for p in params}
-        self._gw_handles: dict[torch.Tensor, tuple[Any, Any]] = {}
+        self._gw_handles: dict[torch.Tensor, Work[torch.Tensor]] = {}  # parameter -> its exchanged gradient
         self._gw_requires_update = [p for p in params if p.requires_grad]
         self._gw_synchronized = False
         self._gw_should_synchronize = True
@@ -244,107 +221,112 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self._gw_requires_update:
                 self._gw_hooks.append(p.register_post_accumulate_grad_hook(self._gw_hook))
 
+    # ---- strategies -----------------------------------------------------------------
+    def _gw_setup_strategies(self, name: str | None, options: dict[str, Any], error_feedback: bool | str) -> None:
+        """The named strategy now (so a bad name or option fails here), or the default pair's
+        shared error feedback (keyed by parameter name: one residual table, as checkpoints hold)."""
+        c = self._gw_compressor
+        self._gw_backends: dict[bool, HorovodBackend] = {}
+        self._gw_strategies: dict[str, Strategy] = {}
+        self._gw_strategy_name = name
+        self._gw_default_by_dtype: dict[tuple, str] = {}
+        if name is None:
+            if options:
+                raise ValueError("strategy_options need strategy=")
+            wanted = resolve_error_feedback(error_feedback, c)
+            self._gw_feedback = ErrorFeedback(c) if wanted else None
+            return
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+        if traits(name, options).own_compression and error_feedback == "auto":
+            error_feedback = True  # e.g. PowerSGD's own error feedback, on by default
+        self._gw_feedback = None
+        strategy = make_strategy(name, self._gw_backend(False), c, resolve_error_feedback(error_feedback, c),
+                                 **options)
+        self._gw_strategies[name] = self._gw_placed(strategy)
+
+    def _gw_backend(self, average: bool) -> HorovodBackend:
+        if average not in self._gw_backends:
+            self._gw_backends[average] = HorovodBackend(average=average)
+        return self._gw_backends[average]
+
+    def _gw_placed(self, strategy: Strategy) -> Strategy:
+        """Move a strategy whose sum is one allreduce onto the averaging backend under hvd.Average."""
+        if self.op == hvd.Average and isinstance(strategy, _HOROVOD_AVERAGES):
+            strategy.backend = self._gw_backend(True)
+        return strategy
+
+    def _gw_strategy_for(self, grad: torch.Tensor) -> Strategy:
+        """The strategy that exchanges gradients like `grad`."""
+        if self._gw_strategy_name is not None:
+            return self._gw_strategies[self._gw_strategy_name]
+        key = (grad.dtype, grad.device.type)
+        name = self._gw_default_by_dtype.get(key)
+        if name is None:
+            c = self._gw_compressor
+            summable = c.summable and horovod_sums(c.to_summable(grad.new_zeros(8)))
+            name = self._gw_default_by_dtype[key] = "allreduce" if summable else "allgather"
+        if name not in self._gw_strategies:
+            strategy = make_strategy(name, self._gw_backend(False), self._gw_compressor, False)
+            strategy.feedback = self._gw_feedback
+            self._gw_strategies[name] = self._gw_placed(strategy)
+        return self._gw_strategies[name]
+
+    def gradwire_strategy(self, name: str) -> Strategy:
+        """The strategy (and, as its `.backend`, the HorovodBackend) exchanging parameter `name`."""
+        for p, n in self._gw_names.items():
+            if n == name:
+                return self._gw_strategy_for(p.grad if p.grad is not None else p.detach())
+        raise KeyError(f"no parameter named {name!r}")
+
+    def gradwire_stats(self) -> ExchangeStats:
+        """Bytes and times of the exchanges since the last call (then a fresh record starts)."""
+        return take_stats_of(self._gw_strategies.values())
+
     # ---- launching ------------------------------------------------------------------
     def _gw_hook(self, p: torch.Tensor) -> None:
-        if p in self._gw_handles and self._gw_delay[p] <= 0:
+        if self._gw_delay[p] <= 0:
             raise AssertionError("gradients were computed more than backward_passes_per_step times before "
                                  "step(); increase backward_passes_per_step to accumulate locally")
         self._gw_delay[p] -= 1
-        if self._gw_delay[p] == 0:
+        if self._gw_delay[p] == 0 and isinstance(self._gw_strategy_for(p.grad), _STARTS_FROM_HOOKS):
             self._gw_handles[p] = self._gw_launch(p)
 
-    def _gw_ctx(self, name: str) -> Ctx:
-        return Ctx(self._gw_seed, self._gw_step, hvd.rank(), Ctx.key_of(name))
-
-    def _gw_compresses(self, grad: torch.Tensor) -> bool:
-        from ..comm.cost import worth_compressing
-
-        return worth_compressing(self._gw_compressor, grad.numel(), grad.dtype)
-
-    def _gw_allreduces(self, grad: torch.Tensor) -> bool:
-        """Summable payloads Horovod can allreduce go by allreduce; others as packets by allgather."""
-        key = (grad.dtype, grad.device.type)
-        ok = self._gw_ar_ok.get(key)
-        if ok is None:
-            c = self._gw_compressor
-            ok = self._gw_ar_ok[key] = c.summable and _allreducible(c.to_summable(grad.new_zeros(8)))
-        return ok
-
-    def _gw_launch(self, p: torch.Tensor) -> tuple[Any, Any]:
+    def _gw_launch(self, p: torch.Tensor) -> Work[torch.Tensor]:
+        """Start the exchange of p's gradient: a Work of the flat sum (or mean) over ranks."""
         if p.grad is None:  # unused on this rank: still take part (others may have a gradient)
             p.grad = torch.zeros_like(p)
         grad = p.grad
         if grad.is_sparse:
             raise ValueError("sparse gradients are not supported by gradwire's DistributedOptimizer")
         name = self._gw_names[p]
-        c, fb = self._gw_compressor, self._gw_feedback
-        ctx = self._gw_ctx(name)
-        op_name = f"gradwire.{name}"
-        if self._gw_allreduces(grad):
-            corrected = fb.correct(grad, name) if fb is not None else grad
-            payload = c.to_summable(corrected, ctx)
-            if fb is not None:
-                fb.update(name, corrected, c.from_summable(payload.clone(), corrected, ctx))
-            handle = hvd.allreduce_async_(payload, name=op_name, op=self.op)
-            return handle, ("allreduce", ctx)
-        if not self._gw_compresses(grad):
-            codec, sent = self._gw_raw, grad.detach().clone()
-            packet = codec.encode(sent).tensor()
-        else:
-            codec = c
-            corrected = fb.correct(grad, name) if fb is not None else grad.detach()
-            packet = c.encode(corrected, ctx).tensor()
-            try:
-                sent = c.decode(packet, shape=grad.shape, dtype=grad.dtype).clone()
-            except WireFormatError as e:  # every peer rejects it too: raise with them after the allgather
-                sent = e  # type: ignore[assignment]
-            if fb is not None and isinstance(sent, torch.Tensor):
-                fb.update(name, corrected, sent)
-        length = torch.tensor([packet.numel()], dtype=torch.int64).view(torch.uint8).to(packet.device)
-        message = torch.cat([length, packet])
-        handle = hvd.allgather_async(message, name=op_name)
-        return handle, ("allgather", codec, sent, message)
+        strategy = self._gw_strategy_for(grad)
+        average = self.op == hvd.Average and not strategy.backend.average  # else Horovod averages
+        ctx = Ctx(self._gw_seed, self._gw_step, hvd.rank(), Ctx.key_of(name))
+        with strategy.backend.named(f"gradwire.{name}"):  # Horovod matches ops by name, not order
+            return strategy.exchange(grad.detach().reshape(-1), name, ctx, average=average)
 
     # ---- finishing ------------------------------------------------------------------
-    def _gw_finish(self, p: torch.Tensor, handle: Any, info: tuple) -> None:
-        out = hvd.synchronize(handle)
-        grad = p.grad
-        if info[0] == "allreduce":
-            result = self._gw_compressor.from_summable(out, grad, info[1])
-        else:
-            _, codec, sent, message = info
-            if isinstance(sent, WireFormatError):
-                raise sent
-            result = torch.zeros_like(grad)
-            me, name = hvd.rank(), self._gw_names[p]
-            # Every rank checks every message (its own too) against its own gradient, so bad
-            # bytes make all ranks raise WireFormatError here and none goes on.
-            for r, (start, end) in enumerate(split_allgathered(out, hvd.size(), name)):  # rank order
-                if r == me:
-                    if not torch.equal(out[start - _LENGTH_BYTES: end], message):
-                        raise WireFormatError(f"allgather of {name!r}: this rank's message came back altered")
-                    result.add_(sent)
-                else:
-                    result.add_(codec.decode(out[start: end], shape=grad.shape, dtype=grad.dtype))
-            if self.op == hvd.Average:
-                result.div_(hvd.size())
-        grad.copy_(result.reshape(grad.shape))
-
     def synchronize(self) -> None:
-        """Finish every exchange (launching those whose hooks did not fire) and write the
+        """Finish every exchange (launching those whose hooks did not start one) and write the
         averaged gradients into `.grad`."""
         if hvd.size() > 1:
-            for p in self._gw_requires_update:
+            for p in self._gw_requires_update:  # parameter order: the same on every rank
                 if p not in self._gw_handles:
                     self._gw_handles[p] = self._gw_launch(p)
             errors = []
-            for p, (handle, info) in self._gw_handles.items():
-                try:
-                    self._gw_finish(p, handle, info)
-                except WireFormatError as e:  # finish the other exchanges first: no handle left behind
-                    errors.append(e)
-                self._gw_delay[p] = self.backward_passes_per_step
-            self._gw_handles.clear()
+            try:
+                for p, work in self._gw_handles.items():
+                    try:
+                        result = work.wait()
+                    except WireFormatError as e:  # finish the other exchanges first: no handle left behind
+                        errors.append(e)
+                        continue
+                    p.grad.copy_(result.reshape(p.grad.shape))
+            finally:
+                self._gw_handles.clear()
+                for p in self._gw_delay:
+                    self._gw_delay[p] = self.backward_passes_per_step
             self._gw_step += 1
             if errors:
                 raise errors[0]
@@ -376,18 +358,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- state ----------------------------------------------------------------------
     def gradwire_state_dict(self) -> dict[str, Any]:
-        """The gradwire part of the state: compressor, step counter, error-feedback residuals."""
-        return {"compressor": str(self._gw_compressor), "step": self._gw_step,
-                "feedback": self._gw_feedback.state_dict() if self._gw_feedback is not None else None}
+        """The gradwire part of the state: compressor, step counter, error-feedback residuals
+        (the default strategies'), or a named strategy's own state."""
+        state: dict[str, Any] = {"compressor": str(self._gw_compressor), "step": self._gw_step,
+                                 "feedback": self._gw_feedback.state_dict() if self._gw_feedback is not None else None}
+        if self._gw_strategy_name is not None:
+            state["strategy"] = self._gw_strategy_name
+            state["strategy_state"] = self._gw_strategies[self._gw_strategy_name].state_dict()
+        return state
 
     def load_gradwire_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("compressor") != str(self._gw_compressor):
-            raise ValueError(f"state was saved for compressor {state.get('compressor')!r}, "
+        if not isinstance(state, dict) or "compressor" not in state or "step" not in state:
+            raise ValueError("not a gradwire DistributedOptimizer state (no compressor and step entries)")
+        if state["compressor"] != str(self._gw_compressor):
+            raise ValueError(f"state was saved for compressor {state['compressor']!r}, "
                              f"this optimizer uses {str(self._gw_compressor)!r}")
-        if (state.get("feedback") is None) != (self._gw_feedback is None):
-            raise ValueError("checkpoint and optimizer disagree on whether error feedback is on")
-        if self._gw_feedback is not None:
-            self._gw_feedback.load_state_dict(state["feedback"])
+        saved = state.get("strategy")  # absent before strategy= existed: the default pair
+        if saved != self._gw_strategy_name:
+            raise ValueError(f"state was saved with strategy {saved or 'default (allreduce/allgather)'}, "
+                             f"this optimizer uses {self._gw_strategy_name or 'the default (allreduce/allgather)'}")
+        if saved is not None:
+            self._gw_strategies[saved].load_state_dict(state["strategy_state"])
+        else:
+            if (state.get("feedback") is None) != (self._gw_feedback is None):
+                raise ValueError("checkpoint and optimizer disagree on whether error feedback is on")
+            if self._gw_feedback is not None:
+                self._gw_feedback.load_state_dict(state["feedback"])
         self._gw_step = int(state["step"])
 
     def state_dict(self) -> dict[str, Any]:

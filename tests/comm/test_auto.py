@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from gradwire import Ctx
-from gradwire.comm.cost import TRIAL_MARGIN, Auto, CostModel, oktopk_seconds, prefer
+from gradwire.comm.auto import TRIAL_MARGIN, Auto, prefer
+from gradwire.comm.links import CostModel
+from gradwire.comm.oktopk import oktopk_seconds
 from gradwire.comm.torch_dist import TorchDistBackend
 from multiproc import run_ranks
 
@@ -143,9 +145,9 @@ def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
 
 
 def _settle(rank: int, world: int, close: float) -> dict:
-    import gradwire.comm.cost as cost
+    import gradwire.comm.auto.policy as policy
 
-    cost.TRIAL_CLOSE = close  # how near the fastest a candidate must be to be timed again
+    policy.TRIAL_CLOSE = close  # how near the fastest a candidate must be to be timed again
     backend = TorchDistBackend()
     auto = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9, trials=1,
                 settle=2)

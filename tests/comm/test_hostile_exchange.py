@@ -15,7 +15,7 @@ import gradwire
 from gradwire import Ctx, WireFormatError
 from gradwire.comm.backend import Backend, Work
 from gradwire.comm.registry import make_strategy
-from gradwire.comm.sparse import pack, sparse_allgather
+from gradwire.comm.sparse_exchange import pack, sparse_allgather
 from gradwire.comm.torch_dist import TorchDistBackend
 from gradwire.compress.sparse import TopK
 from multiproc import run_ranks
@@ -123,7 +123,7 @@ def _scenarios(rank: int, world: int) -> dict[str, str]:
     # all-to-all reduce-scatter: rank 1 sends rank 0 alone a bad packet; the others decode good
     # bytes, and still raise with rank 0
     from gradwire.comm.reduce_scatter import AlltoallReduceScatter
-    from gradwire.comm.strategies import Segment
+    from gradwire.comm.base import Segment
 
     rs = AlltoallReduceScatter(Forging(real, _one_element_packet("topk:k=1") if bad else None), "topk:k=1",
                                error_feedback=False)

@@ -19,7 +19,7 @@ from adversary import Liar, outcome
 from gradwire import Ctx
 from gradwire.comm.oktopk import _pairs
 from gradwire.comm.registry import make_strategy
-from gradwire.comm.sparse import sparse_allgather
+from gradwire.comm.sparse_exchange import sparse_allgather
 from gradwire.comm.torch_dist import TorchDistBackend
 from multiproc import run_ranks
 
@@ -116,7 +116,7 @@ def _framing(rank: int, world: int) -> dict[str, Any]:
 
     # a short all-to-all chunk to rank 0 only, in the static int8 reduce-scatter (no size exchange)
     from gradwire.comm.reduce_scatter import AlltoallReduceScatter
-    from gradwire.comm.strategies import Segment
+    from gradwire.comm.base import Segment
 
     def short(dst: int, framed_chunk: torch.Tensor) -> torch.Tensor:
         return framed_chunk[: framed_chunk.numel() // 2] if dst == 0 else framed_chunk

@@ -4,7 +4,7 @@ One job per world size runs every check of the programs in tests/mpi_programs/ m
 (PROGRAM_WORLDS; see run.py there); each check is its own test here, passing when every rank
 reported it.
 A job that hangs is killed after JOB_TIMEOUT seconds and its checks fail.
-The merge functions of gradwire.comm.sparse are also tested in-process (no MPI).
+The merge functions of gradwire.comm.sparse_exchange are also tested in-process (no MPI).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 import launcher
 from gradwire import WireFormatError
-from gradwire.comm.sparse import check_indices, merge_dense, merge_sparse, pack, unpack
+from gradwire.comm.sparse_exchange import check_indices, merge_dense, merge_sparse, pack, unpack
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS_DIR = Path(__file__).resolve().parent / "mpi_programs"

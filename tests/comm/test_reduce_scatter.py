@@ -17,7 +17,7 @@ SIZES = [(40, 3), (7,), (300,)]  # per-destination shard shapes: a matrix, a tin
 
 
 def _segments():
-    from gradwire.comm.strategies import Segment
+    from gradwire.comm.base import Segment
 
     out, offset = [], 0
     for i, shape in enumerate(SIZES):
@@ -36,7 +36,7 @@ def _expected(spec: str, world: int, rank: int, chunk: int, segs, step: int, dty
     """What rank `rank` must get without error feedback: every sender's packets, decoded, fp32, in rank order."""
     from dataclasses import replace
 
-    from gradwire.comm.cost import worth_compressing
+    from gradwire.comm.base import worth_compressing
     from gradwire.compress import Ctx, compressor
 
     c, raw = compressor(spec), compressor("none")

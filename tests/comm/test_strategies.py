@@ -6,7 +6,7 @@ import torch
 import gradwire
 from gradwire import Ctx
 from gradwire.comm.registry import make_strategy
-from gradwire.comm.strategies import split_message
+from gradwire.comm.base import split_message
 from gradwire.comm.torch_dist import TorchDistBackend
 from multiproc import run_ranks
 

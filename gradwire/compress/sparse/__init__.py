@@ -10,10 +10,4 @@ from .randomk import RandomK
 from .threshold import Threshold
 from .topk import TopK
 
-# Compatibility, until gradwire/comm/oktopk.py imports gradwire.compress.select.topk: the
-# function `topk`. Bound after the submodule of the same name is imported, which would
-# otherwise set this attribute to the module (`import gradwire.compress.sparse.topk` still
-# loads the module; as an attribute of this package, `topk` is the function).
-from ..select import topk  # noqa: E402,F401
-
 __all__ = ["TopK", "DGC", "Threshold", "RandomK"]

@@ -166,7 +166,7 @@ def compressed_reduce_scatter(b) -> None:
     from dataclasses import replace
 
     from gradwire.comm.reduce_scatter import AlltoallReduceScatter
-    from gradwire.comm.strategies import Segment
+    from gradwire.comm.base import Segment
     from gradwire.compress import Ctx, compressor
 
     segs = [Segment("w", 0, 96), Segment("v", 96, 200)]

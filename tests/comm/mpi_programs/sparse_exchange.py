@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import bits_equal, check, main, same_on_all_ranks  # noqa: E402
 
 from gradwire import WireFormatError  # noqa: E402
-from gradwire.comm.sparse import sparse_allgather  # noqa: E402
+from gradwire.comm.sparse_exchange import sparse_allgather  # noqa: E402
 
 NUMEL = 1000
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

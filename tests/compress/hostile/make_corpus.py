@@ -7,11 +7,11 @@ expects; tests/compress/test_hostile.py decodes every entry under an address-spa
 WireFormatError (or, standalone, a decode no larger than the receiver allows).
 
 kinds: "packet" (a codec's `decode`), "message" (one rank's int64 length table, then its packets),
-"sparse" (one rank's `comm.sparse` buffer), "artopk" (a leader's broadcast indices).
+"sparse" (one rank's `comm.sparse_exchange` buffer), "artopk" (a leader's broadcast indices).
 classes: 1 zero dim beside a huge one, 2 declared numel far above the data, 3 zstd content
 size bombs, 4 a packet for another shape, 5 trailing bytes, 6 unknown flag bits, 7 bad outer
 packets around a valid inner one, 8 repeated sparse indices, 9 an `out` of another dtype,
-10 bad comm.sparse buffers.
+10 bad comm.sparse_exchange buffers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import zstandard
 
 import gradwire
-from gradwire.comm.sparse import pack
+from gradwire.comm.sparse_exchange import pack
 from gradwire.compress import wire
 from gradwire.compress.lossless import frame_content
 from gradwire.compress.wire import DTYPE_CODES, Kind, Packet, Section
@@ -231,7 +231,7 @@ def build() -> None:
         for out_dtype in ("int32", "bool", "float16", "float64"):
             add(9, f"{spec} into an out of {out_dtype}", encoded(spec, x20), spec=spec, standalone="decodes",
                 out_dtype=out_dtype)
-    # ---- 10: comm.sparse buffers
+    # ---- 10: comm.sparse_exchange buffers
     good = pack(torch.tensor([1, 2]), torch.ones(2), 20)
     words = good.view(torch.int64)
 

@@ -55,8 +55,9 @@ def check(entry: dict) -> str:
     import torch
 
     import gradwire
-    from gradwire.comm import sparse
-    from gradwire.comm.strategies import Segment, check_leader_indices, split_message
+    from gradwire.comm import sparse_exchange as sparse
+    from gradwire.comm.artopk import check_leader_indices
+    from gradwire.comm.base import Segment, split_message
 
     buf = torch.frombuffer(bytearray.fromhex(entry["hex"]), dtype=torch.uint8) if entry["hex"] \
         else torch.empty(0, dtype=torch.uint8)
@@ -134,7 +135,10 @@ def legacy(entry: dict) -> str:
     if entry["kind"] == "packet":
         return _outcome(lambda: gradwire.compressor(entry["spec"]).decode(buf))
     if entry["kind"] == "sparse":
-        from gradwire.comm import sparse
+        try:  # (the module's name before 0.2)
+            from gradwire.comm import sparse_exchange as sparse
+        except ImportError:
+            from gradwire.comm import sparse
 
         return _outcome(lambda: sparse.unpack(buf, getattr(torch, entry["dtype"]), entry["shape"][0]))
     return "skipped"

@@ -22,7 +22,8 @@ from torch import nn  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import gradwire  # noqa: E402
-from gradwire import WireFormatError  # noqa: E402
+from gradwire import CollectiveError, WireFormatError  # noqa: E402
+from gradwire.comm.horovod import HorovodBackend  # noqa: E402
 from gradwire.hooks import horovod as gwh  # noqa: E402
 
 CHECKS = []
@@ -253,14 +254,15 @@ def bad_bytes_from_one_rank_raise_everywhere():
     model = make_model()
     opt = gw_optimizer(model, "topk:k=1", error_feedback=False)
     before = flat_params(model).clone()
-    real = gwh.hvd.allgather_async
+    backend = opt.gradwire_strategy("0.weight").backend
+    real = backend.allgatherv
 
-    def forged(t, name=None):
+    def forged(t, max_numel):  # the strategy's message (length table, packet), its packet replaced
         packet = gradwire.compressor("topk:k=1").encode(torch.tensor([100.0])).tensor()
-        return real(torch.cat([torch.tensor([packet.numel()]).view(torch.uint8), packet]), name=name)
+        return real(torch.cat([torch.tensor([packet.numel()]).view(torch.uint8), packet]), max_numel)
 
     if hvd.rank() == 1:
-        gwh.hvd.allgather_async = forged
+        backend.allgatherv = forged
     try:
         x, y = batch(0)
         opt.zero_grad()
@@ -273,11 +275,109 @@ def bad_bytes_from_one_rank_raise_everywhere():
         else:
             raise AssertionError("no WireFormatError")
     finally:
-        gwh.hvd.allgather_async = real
+        backend.__dict__.pop("allgatherv", None)
     assert torch.equal(flat_params(model), before)
     assert_same_on_all_ranks(flat_params(model), "bad_bytes")
     train(model, opt, 2)  # the optimizer still works afterwards
     assert_same_on_all_ranks(flat_params(model), "bad_bytes_after")
+
+
+# ---- HorovodBackend ----------------------------------------------------------------------------
+@check
+def exchanges_go_through_horovod_backend():
+    """Every parameter's exchange is a shared strategy over a HorovodBackend: allreduce for
+    summable payloads, allgather for packets, or the strategy named by strategy=."""
+    for spec, expected in (("fp16", "allreduce"), ("topk:ratio=0.1", "allgather"),
+                           ("randomk:ratio=0.5+bf16", "allgather")):  # (Horovod cannot sum bf16)
+        model = make_model()
+        opt = gw_optimizer(model, spec)
+        train(model, opt, 2)
+        for name, _ in model.named_parameters():
+            strategy = opt.gradwire_strategy(name)
+            assert type(strategy.backend) is HorovodBackend, type(strategy.backend)
+            assert strategy.name == expected, (spec, name, strategy.name)
+        stats = opt.gradwire_stats()
+        assert stats.bytes_sent > 0 and set(stats.buckets) == {n for n, _ in model.named_parameters()}, stats
+    for strategy in ("allgather", "artopk"):  # named strategies train and keep the ranks identical
+        model = make_model()
+        before = eval_loss(model)
+        opt = gw_optimizer(model, "topk:ratio=0.2", strategy=strategy)
+        train(model, opt, STEPS)
+        assert eval_loss(model) < 0.6 * before, strategy
+        assert opt.gradwire_strategy("0.weight").name == strategy
+        assert_same_on_all_ranks(flat_params(model), f"strategy.{strategy}")
+    try:  # a checkpoint of another strategy fails clearly
+        gw_optimizer(make_model(), "topk:ratio=0.2").load_gradwire_state_dict(opt.gradwire_state_dict())
+    except ValueError as e:
+        assert "strategy" in str(e), str(e)
+    else:
+        raise AssertionError("a state of strategy artopk loaded into the default optimizer")
+
+
+@check
+def backend_collectives():
+    backend = HorovodBackend()
+    rank, world = backend.rank, backend.world_size
+    mine = torch.arange(rank * 10, rank * 10 + 5, dtype=torch.float32)
+    got = backend.allgather(mine).wait()
+    assert [g.tolist() for g in got] == [list(range(r * 10, r * 10 + 5)) for r in range(world)]
+    parts = backend.allgatherv(torch.full((rank + 1,), rank, dtype=torch.int16), max_numel=world).wait()
+    assert [p.tolist() for p in parts] == [[r] * (r + 1) for r in range(world)]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8):
+        t = torch.full((7,), rank + 1, dtype=dtype)
+        assert backend.allreduce(t).wait().tolist() == [world * (world + 1) // 2] * 7, dtype
+    t = torch.full((3,), 2.0 + rank)
+    assert torch.equal(HorovodBackend(average=True).allreduce(t).wait(), torch.full((3,), 2.0 + (world - 1) / 2))
+    t = torch.tensor([7, 8, 9]) if rank == world - 1 else torch.zeros(3, dtype=torch.int64)
+    assert backend.broadcast(t, world - 1).wait().tolist() == [7, 8, 9]
+    assert backend.allgather_ints([rank, -rank]) == [[r, -r] for r in range(world)]
+    assert backend.allgather_text(f"rank {rank}") == [f"rank {r}" for r in range(world)]
+    chunks = [torch.full((dst + 1,), 100 * rank + dst, dtype=torch.float64) for dst in range(world)]
+    for kw in ({"max_recv": world}, {"recv_counts": [rank + 1] * world}):
+        out = backend.alltoall(chunks, **kw).wait()
+        assert [o.tolist() for o in out] == [[100.0 * src + rank] * (rank + 1) for src in range(world)], kw
+    # exchanges issued in a different order on every rank meet by their names
+    works = {}
+    for i in (range(4) if rank % 2 == 0 else reversed(range(4))):
+        with backend.named(f"check.order.{i}"):
+            works[i] = backend.allgatherv(torch.full((i + 1,), float(rank)), max_numel=8)
+    for i in range(4):
+        assert [w.tolist() for w in works[i].wait()] == [[float(r)] * (i + 1) for r in range(world)]
+
+
+@check
+def oversize_allgatherv_claim_raises_before_allocating():
+    """A peer claiming more than the receivers' bound (honestly, or 2**40 elements by a forged
+    size word) makes every rank raise WireFormatError naming it, and no rank issues the data
+    phase (Horovod would allocate the claim)."""
+    backend = HorovodBackend()
+    last = backend.world_size - 1
+    issued: list[str] = []
+    real = hvd.allgather_async
+
+    def spy(t, name=None, **kw):
+        issued.append(name)
+        if hvd.rank() == last and name.startswith("check.claim.forged") and t.dtype == torch.int64:
+            t = t.clone()
+            t[0, 0] = 1 << 40  # the size word of this rank's row
+        return real(t, name=name, **kw)
+
+    hvd.allgather_async = spy
+    try:
+        for scope, numel in (("check.claim.honest", 64 if hvd.rank() == last else 4), ("check.claim.forged", 4)):
+            with backend.named(scope):
+                work = backend.allgatherv(torch.ones(numel), max_numel=16)
+            try:
+                work.wait()
+            except WireFormatError as e:
+                assert e.peer == last and "16" in str(e), str(e)
+            else:
+                raise AssertionError(f"{scope}: no WireFormatError")
+    finally:
+        hvd.allgather_async = real
+    assert len(issued) == 2 and all(".allgatherv.0" in n for n in issued), issued  # the sizes phases only
+    after = backend.allgatherv(torch.ones(2), max_numel=2).wait()  # the ranks are still in step
+    assert [p.tolist() for p in after] == [[1.0, 1.0]] * backend.world_size
 
 
 def main() -> None:

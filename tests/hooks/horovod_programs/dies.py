@@ -1,9 +1,10 @@
 """A Horovod job whose last rank dies mid-training (gradwire's DistributedOptimizer).
 
 Run as ``horovodrun --gloo -np 2 python dies.py SPEC``. Every rank prints ``STEP <rank> <n>``
-after each optimizer step it completes; the last rank exits with os._exit before step DIES_AT.
-A survivor that notices prints ``RAISED <rank> <type>: <message>`` and exits 0: either way, no
-survivor may print a step after the death (tests/hooks/test_horovod.py checks the lines).
+after each optimizer step it completes; the last rank vanishes (os._exit(0): horovodrun then
+leaves the survivors running, so they must notice by themselves) before step DIES_AT. A survivor
+that notices prints ``RAISED <rank> <type>: <message>`` and exits 1; no survivor may print a
+step after the death (tests/hooks/test_horovod.py checks the lines).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ if __name__ == "__main__":
     try:
         for step in range(8):
             if victim and step == DIES_AT:
-                os._exit(17)
+                os._exit(0)
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
             print(f"STEP {hvd.rank()} {step + 1}", flush=True)
     except Exception as e:  # noqa: BLE001 - reported for the test
         print(f"RAISED {hvd.rank()} {type(e).__name__}: {str(e)[:300]}", flush=True)
-        os._exit(0)
+        os._exit(1)

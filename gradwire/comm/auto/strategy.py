@@ -1,0 +1,301 @@
+"""The `auto` strategy: shortlist candidates by their cost models, time the shortlist, keep the fastest.
+
+Compression is not free, so each candidate's modelled time also counts its encode and
+decode work: seconds per element measured at the first exchange on tensors of the real sizes,
+through error feedback when it is on (`gamma_encode`, `gamma_decode`). Each candidate prices
+itself (`Strategy.modelled_seconds`, on the links of links.py); auto only measures the links
+(probe.py), asks, and chooses (policy.py). alpha (s) and beta (s/byte) are measured once at
+start-up, then averaged over ranks so every rank holds the same numbers and makes the same
+choice for every bucket.
+
+Tests: tests/comm/test_auto.py (choices, trial, near-ties, low-rank candidates, on real gloo ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ...compress import Compressor, Ctx
+from ..allgather import Allgather
+from ..backend import Backend, Work
+from ..base import ExchangeStats, Strategy, StrategyTraits, Workload, estimated_packet_bytes, segments_of, take_stats_of
+from ..dense import Allreduce, DenseAllreduce
+from ..hierarchical import Hierarchical, launcher_ranks_per_node
+from ..links import CostModel, Links
+from ..oktopk import OkTopK
+from ..powersgd import POWERSGD_OPTIONS, PowerSGD
+from . import policy
+from .probe import agreed, measure, measure_compute
+from .turns import TimedTurns
+from .uncompressed import FasterUncompressed
+
+log = logging.getLogger("gradwire")
+
+#: The order candidates are modelled in: `candidates` sorts by time, so ties keep this order.
+MODEL_ORDER = ("dense", "allgather", "powersgd", "oktopk", "bf16", "hierarchical")
+
+
+class Auto(Strategy):
+    """Summable compressors (none, fp16, bf16, randomk) are allreduced, as torch's hooks do:
+    nothing is cheaper on the wire and the sums match torch's bit for bit. For the others, the
+    cheapest of dense allreduce, allgather of packets and (for plain top-k) oktopk, by their
+    cost models (AR-top-k is not a candidate: it sends one rank's positions for all); on several
+    nodes of several ranks also a bf16 allreduce and `hierarchical`, with the links inside and
+    between nodes measured apart. The model's choice is made
+    once, from the sizes of all the tensors exchanged (`plan_sizes`, set by the DDP hook from the
+    model's parameters) or else from the first bucket, so it is the same on every rank and does
+    not depend on how tensors are grouped into buckets. The model only shortlists: with
+    `trials=N` (default 2) each shortlisted candidate, dense and bf16 always among them, runs
+    one untimed step and N timed ones, with its encode and decode, and the ranks choose by the
+    mean of their times, within `TRIAL_MARGIN`, for each bucket (`choices`; `choice`, from the
+    buckets' summed times, serves a bucket the trial did not see, such as a resumed DDP's first
+    grouping): a bucket of small tensors may stay dense while a large one is compressed. The
+    candidates take turns, one step each (turns.py says why). Candidates within `TRIAL_CLOSE` of
+    the fastest (each bucket's fastest, summed) are then timed `settle` more turns each (default
+    3 x trials): two timed turns of exchanges a few milliseconds long cannot tell bf16 from
+    dense, and the extra turns cost little, every candidate in them being about as fast as the
+    best. Why measure: the model misses what compression costs besides the wire (per-tensor
+    overheads, ranks sharing cores), which can reverse its ranking. Error feedback of the
+    candidates not chosen is dropped with them (N + 1 steps of residual). `trials=0`: the model alone.
+
+    `inner="powersgd"` (with PowerSGD's options: rank=, seed=, ...) makes the compressed
+    candidates low-rank: PowerSGD's own allreduce and, on several nodes, `hierarchical` with
+    PowerSGD between nodes, beside dense and bf16 (the compressor is then `none`). Its wire
+    bytes are modelled from the matrices' shapes (`plan_shapes`, set by the DDP hook, or the
+    first bucket's); its compute is not modelled, so on a fast link the trial is what rejects it.
+    With a trial the model would shortlist every low-rank candidate anyway, so the links are
+    not probed (probing costs whole seconds on a slow link); they are measured only if
+    `predict` is asked, by every rank at once.
+
+    On several nodes, the DDP hook's uncompressed first steps (`start_iter`) go to
+    `warmup_strategy`: dense or bf16, whichever is faster per bucket, timed in turns."""
+
+    name = "auto"
+    TRAITS = StrategyTraits("auto", frozenset({"alpha", "beta", "gamma_encode", "gamma_decode", "min_numel",
+                                               "ranks_per_node", "trials", "settle", "intra_alpha", "intra_beta",
+                                               "inner", *POWERSGD_OPTIONS}),
+                            stateful_unless_summable=True, wraps_inner=True, cross_replica=False)
+
+    def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
+                 alpha: float | None = None, beta: float | None = None,
+                 gamma_encode: float | None = None, gamma_decode: float | None = None, min_numel: int = 0,
+                 ranks_per_node: int | None = None, intra_alpha: float | None = None,
+                 intra_beta: float | None = None, trials: int = 2, settle: int | None = None,
+                 inner: str | None = None, **inner_options: Any) -> None:
+        super().__init__(backend, compressor, error_feedback=False, min_numel=min_numel)
+        if inner not in (None, "powersgd"):
+            raise ValueError(f"auto's inner= chooses low-rank candidates: 'powersgd', got {inner!r}")
+        if inner_options and inner is None:
+            raise ValueError(f"auto takes {sorted(inner_options)} only with inner='powersgd'")
+        self.lowrank: dict[str, Any] | None = dict(inner_options) if inner == "powersgd" else None
+        if self.lowrank is not None and self.compressor.name != "none":
+            raise ValueError(f"auto with inner='powersgd' is its own compression: compressor must be 'none', "
+                             f"got {str(self.compressor)!r}")
+        if (alpha is None) != (beta is None) or (intra_alpha is None) != (intra_beta is None):
+            raise ValueError("give both alpha and beta (intra_alpha and intra_beta) to override the measured "
+                             "cost model, or neither")
+        if (gamma_encode is None) != (gamma_decode is None):
+            raise ValueError("give both gamma_encode and gamma_decode, or neither")
+        c = self.compressor
+        self.plan_sizes: list[int] | None = None
+        self.plan_shapes: list[torch.Size] | None = None  # (the DDP hook sets both from the model)
+        self.choice: str | None = None
+        if int(trials) < 0:
+            raise ValueError(f"trials must be >= 0, got {trials}")
+        self.trials = int(trials)  # steps each candidate is timed for before choosing (0: the model alone)
+        if settle is not None and int(settle) < 0:
+            raise ValueError(f"settle must be >= 0, got {settle}")
+        self.settle = 3 * self.trials if settle is None else int(settle)  # more turns for near-ties
+        self.choices: dict[str, str] = {}  # bucket key -> its measured choice (else `choice`)
+        if c.summable and self.lowrank is None:
+            self.subs: dict[str, Strategy] = {"allreduce": Allreduce(backend, c, error_feedback)}
+            self.choice = "allreduce"  # nothing to measure
+            self.trial = TimedTurns(backend, self.subs)
+            return
+        given = CostModel(alpha, beta) if alpha is not None else None  # type: ignore[arg-type]
+        self._model: CostModel | None = given
+        # encode/decode seconds per element: given, or measured at the first exchange on the real sizes
+        self.gamma: tuple[float, float] | None = (gamma_encode, gamma_decode) if gamma_encode is not None else None
+        self._feedback = error_feedback
+        self.subs = {"dense": DenseAllreduce(backend)}
+        lowrank = self.lowrank
+        if lowrank is not None:
+            self.subs["powersgd"] = PowerSGD(backend, error_feedback, **lowrank)  # (its compute: the trial)
+        else:
+            self.subs["allgather"] = Allgather(backend, c, error_feedback, min_numel)
+        if c.name == "topk":
+            # (not artopk: one rank's positions for everyone cost accuracy; docs/benchmarks.md)
+            self.subs["oktopk"] = OkTopK(backend, c, error_feedback)
+        self.nodes: Hierarchical | None = None  # on several nodes of several ranks: their links
+        self._intra_model: CostModel | None = None
+        if intra_alpha is not None:
+            self._intra_model = CostModel(intra_alpha, intra_beta)  # type: ignore[arg-type]
+        self._inter_model: CostModel | None = given
+        per_node = ranks_per_node or launcher_ranks_per_node()
+        if per_node is not None and 1 < per_node < backend.world_size:
+            def between_nodes(inter: Backend) -> Strategy:
+                if lowrank is not None:
+                    return PowerSGD(inter, error_feedback, **lowrank)
+                return Allgather(inter, c, error_feedback, min_numel)
+
+            self.nodes = Hierarchical(backend, between_nodes, ranks_per_node=per_node)
+            self.subs["hierarchical"] = self.nodes
+            self.subs["bf16"] = Allreduce(backend, "bf16", error_feedback=False)  # the cheap dense baseline
+            self.warmup_strategy = FasterUncompressed(self.subs["dense"], self.subs["bf16"],
+                                                      margin=policy.TRIAL_MARGIN)
+        self.trial = TimedTurns(backend, self.subs)  # (turns.py)
+        if self.lowrank is None or not self.trials:
+            self._measure_links()  # (the low-rank trial runs every candidate: nothing to shortlist)
+
+    def _measure_links(self) -> None:
+        """The cost models not given: the flat links, and on several nodes the links inside a node
+        (each node measures its own; all ranks hold the average) and between nodes. A collective:
+        every rank calls it at the same point."""
+        if self._model is None:
+            self._model = measure(self.backend)
+        log.info("gradwire auto: alpha=%.3g s, beta=%.3g s/B (%.2f GB/s)", self._model.alpha, self._model.beta,
+                 1e-9 / self._model.beta)
+        if self.nodes is None:
+            return
+        if self._intra_model is None:
+            self._intra_model = agreed(self.backend, measure(self.nodes.intra))
+        if self._inter_model is None:
+            self._inter_model = agreed(self.backend, measure(self.nodes.inter))
+        log.info("gradwire auto: %d nodes x %d ranks; intra alpha=%.3g beta=%.3g, inter alpha=%.3g beta=%.3g",
+                 self.backend.world_size // self.nodes.intra.world_size, self.nodes.intra.world_size,
+                 self._intra_model.alpha, self._intra_model.beta, self._inter_model.alpha, self._inter_model.beta)
+
+    @property
+    def model(self) -> CostModel:
+        """The flat links' cost model (measured now if it was not: a collective)."""
+        if self._model is None:
+            self._measure_links()
+        return self._model  # type: ignore[return-value]
+
+    @property
+    def intra_model(self) -> CostModel | None:
+        """The links inside a node (None on one node, or with one rank per node)."""
+        if self.nodes is not None and self._intra_model is None:
+            self._measure_links()
+        return self._intra_model if self.nodes is not None else None
+
+    @property
+    def inter_model(self) -> CostModel | None:
+        """The links between nodes (None on one node, or with one rank per node)."""
+        if self.nodes is not None and self._inter_model is None:
+            self._measure_links()
+        return self._inter_model if self.nodes is not None else None
+
+    def predict(self, sizes: list[int], dtype: torch.dtype,
+                shapes: list[torch.Size] | None = None) -> dict[str, float]:
+        """Modelled seconds of each candidate for exchanging tensors of these sizes (and shapes),
+        each candidate pricing itself; one that cannot (PowerSGD without shapes) gets 0: trusted,
+        so that the trial measures it."""
+        world, flat = self.backend.world_size, self.model
+        work = Workload(list(sizes), dtype, list(shapes) if shapes is not None else None)
+        if self.lowrank is None:
+            if any(estimated_packet_bytes(self.compressor, n, dtype) is None for n in sizes):
+                # size unknown until sent: trust the user's choice to compress
+                dense = self.subs["dense"].modelled_seconds(Links(flat), work, world)
+                return {"dense": dense, "allgather": 0.0}  # type: ignore[dict-item]
+            if self.gamma is None:  # every rank reaches this at the same first exchange: a collective is safe
+                self.gamma = measure_compute(self.backend, self.compressor, numel=1 << 22, sizes=sizes,
+                                             error_feedback=self._feedback)
+                log.info("gradwire auto: encode %.3g s/elem, decode %.3g s/elem (on the %d tensors, "
+                         "error feedback %s)", *self.gamma, len(sizes), self._feedback)
+            work = replace(work, encode_s=self.gamma[0], decode_s=self.gamma[1])
+        links = Links(flat, self.intra_model, self.inter_model)
+        names = [n for n in MODEL_ORDER if n in self.subs] + [n for n in self.subs if n not in MODEL_ORDER]
+        times = {}
+        for name in names:
+            seconds = self.subs[name].modelled_seconds(links, work, world)
+            times[name] = 0.0 if seconds is None else seconds
+        return times
+
+    def candidates(self, sizes: list[int], dtype: torch.dtype,
+                   shapes: list[torch.Size] | None = None) -> list[str]:
+        """What the timed trial runs: dense and bf16 always (the model misses what compression
+        costs beside the wire on a busy host), and every other candidate the model puts within
+        3x of its fastest, fastest first."""
+        if self.lowrank is not None and self._model is None:  # none would be left out: all, not probed
+            return list(self.subs)
+        times = self.predict(self.plan_sizes or sizes, dtype, self.plan_shapes or shapes)
+        best = min(times.values())
+        keep = [n for n in sorted(times, key=lambda n: times[n])
+                if n in ("dense", "bf16") or times[n] <= 3 * best]
+        return keep
+
+    @property
+    def measured(self) -> dict[str, float]:
+        """Candidate -> mean seconds per timed trial turn, summed over buckets, averaged over ranks."""
+        return self.trial.measured
+
+    @property
+    def measured_per_bucket(self) -> dict[str, dict[str, float]]:
+        return self.trial.measured_per_bucket
+
+    def _timed_exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool,
+                        shapes: list[torch.Size] | None, keys: list[str] | None,
+                        sizes: list[int]) -> Work[torch.Tensor] | None:
+        """During the trial, exchange with this step's candidate (in turns, timed). At the first
+        step after a phase, agree on its times; then time the near-ties again (`settle`), or
+        choose by `prefer`. None once chosen."""
+        trial = self.trial
+        if trial.phase is None:
+            trial.start(ctx.step, self.candidates(sizes, x.dtype, shapes), untimed=1, timed=self.trials)
+        if trial.running(ctx.step):
+            return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
+        trial.agree()
+        phase = trial.phase
+        assert phase is not None
+        mix = sum(min(t.values()) for t in self.measured_per_bucket.values())  # each bucket's fastest
+        close = [n for n in phase.order if self.measured[n] <= (1 + policy.TRIAL_CLOSE) * mix]
+        if phase.untimed and self.settle and len(close) > 1:
+            trial.start(ctx.step, close, untimed=0, timed=self.settle)
+            return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
+        self.choice = policy.prefer(self.measured, margin=policy.TRIAL_MARGIN)
+        self.choices = {b: policy.prefer(t, margin=policy.TRIAL_MARGIN) for b, t in self.measured_per_bucket.items()}
+        log.info("gradwire auto: %s after a timed trial (turns: %s): %s; per bucket: %s", self.choice,
+                 ", ".join(f"{n} {c}" for n, c in trial.turns.items()),
+                 ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()),
+                 "; ".join(f"{b}: {self.choices[b]} ({', '.join(f'{n} {t * 1e3:.3f}' for n, t in m.items())})"
+                           for b, m in self.measured_per_bucket.items()))
+        return None
+
+    def choose(self, sizes: list[int], dtype: torch.dtype, shapes: list[torch.Size] | None = None) -> str:
+        if self.choice is None:
+            times = self.predict(self.plan_sizes or sizes, dtype, self.plan_shapes or shapes)
+            self.choice = policy.prefer(times)
+            log.info("gradwire auto: %s for %d tensors of %d elements in all; modelled: %s", self.choice,
+                     len(self.plan_sizes or sizes), sum(self.plan_sizes or sizes),
+                     ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in times.items()))
+        return self.choice
+
+    def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
+                 shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
+        sizes = [s.numel for s in segments_of(x, key, shapes, keys)]
+        if self.choice is None and self.trials:
+            trial = self._timed_exchange(x, key, ctx, average, shapes, keys, sizes)
+            if trial is not None:
+                return trial
+        chosen = self.choose(sizes, x.dtype, shapes)
+        sub = self.subs[self.choices.get(str(key), chosen)]
+        sub.into_input = self.into_input
+        return sub.exchange(x, key, ctx, average, shapes, keys)
+
+    def take_stats(self) -> ExchangeStats:
+        return take_stats_of(self.subs.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"choice": self.choice, "choices": dict(self.choices),  # (a resumed run keeps its choices;
+                "subs": {n: s.state_dict() for n, s in self.subs.items()}}  # one taken in the trial restarts it)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.choice = state["choice"]
+        self.choices = dict(state.get("choices", {}))
+        for n, s in state["subs"].items():
+            self.subs[n].load_state_dict(s)
