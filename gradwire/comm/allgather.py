@@ -29,7 +29,7 @@ class Allgather(Strategy):
     Segments under `min_numel` elements travel uncompressed."""
 
     name = "allgather"
-    TRAITS = StrategyTraits("allgather", frozenset({"min_numel"}), swaps_compressor=True)
+    TRAITS = StrategyTraits("allgather", frozenset({"min_numel"}), swaps_compressor=True, never_waits=True)
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
                  min_numel: int = 0) -> None:

@@ -194,6 +194,12 @@ class StrategyTraits:
     reduce_scatter: bool = False
     #: usable on HSDP's cross-replica all-reduce
     cross_replica: bool = True
+    #: `exchange` only issues collectives and never waits inside, so exchanges may start in
+    #: whatever order a rank's backward reaches them (from gradient hooks)
+    never_waits: bool = False
+    #: the sum is one allreduce of a linear payload, so a backend that averages after summing
+    #: (Horovod's hvd.Average) may do the averaging
+    one_linear_allreduce: bool = False
 
 
 class CompressingExchange:

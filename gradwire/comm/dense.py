@@ -25,7 +25,7 @@ class DenseAllreduce(Strategy):
     """Plain allreduce, divided by world size first exactly as torch's allreduce_hook does."""
 
     name = "dense"
-    TRAITS = StrategyTraits("dense", frozenset())
+    TRAITS = StrategyTraits("dense", frozenset(), never_waits=True, one_linear_allreduce=True)
 
     def __init__(self, backend: Backend) -> None:
         super().__init__(backend, "none", error_feedback=False)
@@ -48,7 +48,8 @@ class Allreduce(Strategy):
     before the sum as torch's hooks do."""
 
     name = "allreduce"
-    TRAITS = StrategyTraits("allreduce", frozenset(), swaps_compressor=True)
+    TRAITS = StrategyTraits("allreduce", frozenset(), swaps_compressor=True, never_waits=True,
+                             one_linear_allreduce=True)
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True) -> None:
         super().__init__(backend, compressor, error_feedback)

@@ -35,9 +35,7 @@ import torch
 from ..comm.backend import Work
 from ..comm.horovod import HorovodBackend, horovod_sums, hvd, need_horovod
 from ..comm.registry import STRATEGIES, make_strategy, traits
-from ..comm.allgather import Allgather
-from ..comm.base import ExchangeStats, Strategy, take_stats_of
-from ..comm.dense import Allreduce, DenseAllreduce
+from ..comm.base import ExchangeStats, Strategy, StrategyTraits, take_stats_of
 from ..compress import Compressor, Ctx, ErrorFeedback, compressor as make_compressor, resolve_error_feedback
 from ..errors import WireFormatError
 
@@ -126,14 +124,9 @@ Compression.bf16 = Compression("bf16")
 
 _SUBCLASSES: dict[type, type] = {}
 
-# Strategies whose exchange only issues collectives and never waits inside `exchange`, so they
-# may start from gradient hooks in whatever order a rank's backward reaches them. Others (e.g.
-# artopk's leader broadcast) start in `synchronize()`, in parameter order on every rank.
-_STARTS_FROM_HOOKS = (Allreduce, Allgather, DenseAllreduce)
-# Strategies whose sum is one allreduce of a linear payload: with op=hvd.Average they get the
-# sum from a backend that averages as hvd.Average does, which hvd.DistributedOptimizer matches
-# bit for bit (the strategies' own average divides before the sum).
-_HOROVOD_AVERAGES = (Allreduce, DenseAllreduce)
+def _traits_of(strategy: Strategy) -> StrategyTraits:
+    """A built strategy's declared traits (a strategy built by hand without them: none apply)."""
+    return type(strategy).TRAITS or StrategyTraits(strategy.name, None)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -252,7 +245,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _gw_placed(self, strategy: Strategy) -> Strategy:
         """Move a strategy whose sum is one allreduce onto the averaging backend under hvd.Average."""
-        if self.op == hvd.Average and isinstance(strategy, _HOROVOD_AVERAGES):
+        if self.op == hvd.Average and _traits_of(strategy).one_linear_allreduce:
             strategy.backend = self._gw_backend(True)
         return strategy
 
@@ -289,7 +282,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("gradients were computed more than backward_passes_per_step times before "
                                  "step(); increase backward_passes_per_step to accumulate locally")
         self._gw_delay[p] -= 1
-        if self._gw_delay[p] == 0 and isinstance(self._gw_strategy_for(p.grad), _STARTS_FROM_HOOKS):
+        if self._gw_delay[p] == 0 and _traits_of(self._gw_strategy_for(p.grad)).never_waits:
             self._gw_handles[p] = self._gw_launch(p)
 
     def _gw_launch(self, p: torch.Tensor) -> Work[torch.Tensor]:
