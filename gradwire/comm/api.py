@@ -40,7 +40,7 @@ from ..compress import Compressor, Ctx
 from ..errors import ConfigMismatchError, WireFormatError  # noqa: F401 (ConfigMismatchError: raised by the check)
 from .backend import Backend, Work
 from .base import ExchangeStats, Strategy
-from .config import ExchangeConfig, config_field
+from .config import EntryPoint, ExchangeConfig, config_field
 from .mpi import MPIBackend
 
 
@@ -103,7 +103,7 @@ def _gradient_of(t: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
-class GradientExchanger:
+class GradientExchanger(EntryPoint):
     """Compress, exchange and average gradients over every rank of `backend`.
 
     compressor: a spec string (default ``"topk:ratio=0.01"``; ``"fp16"``, ...) or a `Compressor`.
@@ -162,20 +162,6 @@ class GradientExchanger:
     @property
     def world_size(self) -> int:
         return self.backend.world_size
-
-    def get_config(self) -> dict[str, Any]:
-        return self.config.get_config()
-
-    def describe(self) -> str:
-        return self.config.describe()
-
-    def fingerprint(self) -> int:
-        return self.config.fingerprint()
-
-    def take_stats(self) -> ExchangeStats:
-        """Totals (bytes, seconds) of the exchanges completed since the last call."""
-        stats, self._untaken = self._untaken, ExchangeStats()
-        return stats
 
     def __repr__(self) -> str:
         return f"GradientExchanger({self.get_config()}, backend={self.backend!r}, step={self.step})"

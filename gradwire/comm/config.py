@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..compress import Compressor, compressor as make_compressor, resolve_error_feedback
 from ..errors import ConfigMismatchError
 from .backend import Backend
-from .base import Strategy
+from .base import ExchangeStats, Strategy
 from .framing import check_same_config, config_digest
 from .hierarchical import launcher_ranks_per_node
 from .registry import DEFAULT_INNER, KNOWN, StrategyTraits, make_strategy, traits as strategy_traits
@@ -186,6 +186,28 @@ class ExchangeConfig:
         if not same:
             was = saved.get("config", saved.get("describe", "an unknown config"))
             raise ValueError(f"checkpoint was saved with {was}, this {self.ENTRY_POINT} has {self.describe()}")
+
+
+class EntryPoint:
+    """What every entry point (DDP hook state, FSDP2 hook state, GradientExchanger) answers the
+    same way: its config, and the statistics of the exchanges completed since `take_stats()`."""
+
+    config: ExchangeConfig
+    _untaken: ExchangeStats
+
+    def get_config(self) -> dict[str, Any]:
+        return self.config.get_config()
+
+    def describe(self) -> str:
+        return self.config.describe()
+
+    def fingerprint(self) -> int:
+        return self.config.fingerprint()
+
+    def take_stats(self) -> ExchangeStats:
+        """Totals (bytes, seconds) of the exchanges completed since the last call."""
+        stats, self._untaken = self._untaken, ExchangeStats()
+        return stats
 
 
 def config_field(name: str, doc: str = "") -> property:

@@ -1,4 +1,9 @@
-"""Dense casts: `none` (raw), `fp16`, `bf16`. Summable: allreduce the cast tensor."""
+"""Dense casts: `none` (raw), `fp16`, `bf16`. Summable: allreduce the cast tensor.
+
+Kernels: gradwire/cuda/kernels/elementwise.cu (`ops.cast`), feedback.cu (`ops.ef_cast`: the
+error-feedback step). Compiled CPU loops: gradwire/compress/compiled.py (`sum_into`). Tests:
+tests/compress/test_casts.py, tests/cuda/test_cuda_parity.py.
+"""
 
 from __future__ import annotations
 

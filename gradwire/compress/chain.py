@@ -3,6 +3,8 @@
 A value stage encodes the sparsifier's VALUES section into a complete inner packet that
 replaces it as a NESTED section; a lossless stage wraps the whole packet in a frame.
 The outermost packet carries the chain's config checksum, inner ones their stage's.
+
+No kernels of its own: each stage runs its codec's. Tests: tests/compress/test_chain.py.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ Unwrapping checks the content size the frame header declares against what the ou
 header implies before zstd runs (python-zstandard allocates the declared size first):
 exactly the `none` packet's size standalone, the largest packet of the earlier stages in
 a chain (`Chain.content_limit`, exact when their size is data-independent).
+
+Kernels: gradwire/cuda/kernels/bytes.cu (`ops.split_planes`, `ops.merge_planes`); the GPU entropy
+stage (nvCOMP, else a host fallback that warns): gradwire/cuda/entropy.py. Tests:
+tests/compress/test_lossless.py, tests/cuda/test_cuda_parity.py.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.backend import Work
-from ..comm.config import ExchangeConfig, config_field, strategy_names
+from ..comm.config import EntryPoint, ExchangeConfig, config_field, strategy_names
 from ..comm.base import ExchangeStats, Strategy, segments_of
 from ..comm.dense import DenseAllreduce
 from ..comm.torch_dist import TorchDistBackend
@@ -118,7 +118,7 @@ class DDPConfig(ExchangeConfig):
         return text
 
 
-class GradwireState:
+class GradwireState(EntryPoint):
     """Everything the hook keeps between calls; pickles without its process group.
 
     compressor: a spec string (default ``"topk:ratio=0.01"``). strategy: default ``"auto"``.
@@ -178,16 +178,6 @@ class GradwireState:
             return None
         return [self._param_names[id(p)] for p in bucket.parameters()]
 
-    # ---- identity ------------------------------------------------------------------
-    def get_config(self) -> dict[str, Any]:
-        return self.config.get_config()
-
-    def fingerprint(self) -> int:
-        return self.config.fingerprint()
-
-    def describe(self) -> str:
-        return self.config.describe()
-
     # ---- lazily built pieces -------------------------------------------------------
     @property
     def backend(self) -> TorchDistBackend:
@@ -232,11 +222,6 @@ class GradwireState:
             merged["density"] = self.density(step)
         self.last_stats = merged
         self.history.append(merged)
-
-    def take_stats(self) -> ExchangeStats:
-        """Totals (bytes, seconds) of the steps completed since the last call."""
-        stats, self._untaken = self._untaken, ExchangeStats()
-        return stats
 
     def density(self, step: int) -> float:
         """The sparsifier's ratio at hook step `step` (the warm-up's, then the compressor's own)."""

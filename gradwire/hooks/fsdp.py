@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - torch before FSDP2's public API
     raise ImportError(f"gradwire.hooks.fsdp needs FSDP2 (torch.distributed.fsdp.FSDPModule); torch "
                       f"{torch.__version__} has none") from exc
 
-from ..comm.config import ExchangeConfig, accepted_options, config_field, strategy_names
+from ..comm.config import EntryPoint, ExchangeConfig, accepted_options, config_field, strategy_names
 from ..comm.reduce_scatter import ReduceScatter
 from ..comm.registry import StrategyTraits
 from ..comm.base import ExchangeStats, Segment, Strategy
@@ -142,7 +142,7 @@ class FSDPConfig(ExchangeConfig):
                 f"seed={self.seed} min_numel={self.min_numel} options={self.strategy_options} hsdp={self.hsdp}")
 
 
-class FSDPGradwireState:
+class FSDPGradwireState(EntryPoint):
     """Config, strategies and per-shard state of the FSDP hook.
 
     compressor: a spec string (default ``"int8"``). strategy: default ``"alltoall"`` (the
@@ -190,10 +190,7 @@ class FSDPGradwireState:
                       "use take_stats() (or last_stats)", DeprecationWarning, stacklevel=2)
         self._untaken = value
 
-    # ---- identity ------------------------------------------------------------------
-    def get_config(self) -> dict[str, Any]:
-        return self.config.get_config()
-
+    # ---- identity (the layout joins the config's) -------------------------------------
     def layout_checksum(self) -> int:
         desc = ";".join(f"{u.name}:{list(zip(u.keys, map(tuple, u.shapes)))}" for u in self.units.values())
         return zlib.crc32(desc.encode())
@@ -284,11 +281,6 @@ class FSDPGradwireState:
                                          keys=unit.keys).wait()
         shard.copy_(result)
         self._count(step, self._strategy.take_stats())
-
-    def take_stats(self) -> ExchangeStats:
-        """Totals since the last call (bytes, seconds), over every FSDP group."""
-        stats, self._untaken = self._untaken, ExchangeStats()
-        return stats
 
     # ---- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
