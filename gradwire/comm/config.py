@@ -75,7 +75,7 @@ class ExchangeConfig:
 
     def __init__(self, compressor: Compressor | str, strategy: str, *, error_feedback: bool | str = "auto",
                  seed: int = 0, strategy_options: Mapping[str, Any] | None = None, **options: Any) -> None:
-        self.parsed_compressor = make_compressor(compressor)
+        self.parsed_compressor = _compressor_or_hint(compressor)
         self.compressor = str(self.parsed_compressor)
         both = set(strategy_options or {}) & set(options)
         if both:
@@ -186,6 +186,20 @@ class ExchangeConfig:
         if not same:
             was = saved.get("config", saved.get("describe", "an unknown config"))
             raise ValueError(f"checkpoint was saved with {was}, this {self.ENTRY_POINT} has {self.describe()}")
+
+
+def _compressor_or_hint(spec: Compressor | str) -> Compressor:
+    """The compressor; a strategy's name given as the compressor (``"powersgd:rank=8"``) raises
+    with the spelling that works instead of only "unknown compressor"."""
+    try:
+        return make_compressor(spec)
+    except ValueError as e:
+        name, _, args = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+        if name.strip() not in KNOWN:
+            raise
+        options = ", ".join(f"{k.strip()}={v.strip()}" for k, _, v in (a.partition("=") for a in args.split(",")) if k)
+        raise ValueError(f"{e}. {name.strip()!r} is a strategy, not a compressor: pass it as "
+                         f"compressor=\"none\", strategy={name.strip()!r}" + (f", {options}" if options else "")) from None
 
 
 class EntryPoint:

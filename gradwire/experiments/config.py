@@ -8,7 +8,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gradwire.comm.registry import STRATEGIES
+from gradwire.comm.config import accepted_options
+from gradwire.comm.registry import STRATEGIES, traits
 from gradwire.compress import compressor as make_compressor, resolve_error_feedback
 
 SPARSIFIERS = ("topk", "randomk", "dgc")
@@ -48,7 +49,8 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
     else:
         chosen = strategy
     ef = resolve_error_feedback(error_feedback, c)  # "auto": the library's rule, Compressor.feedback_helps
-    options = {"min_numel": min_numel} if min_numel and chosen in ("allgather", "auto", "oktopk", "hierarchical") else {}
+    takes_min_numel = "min_numel" in (accepted_options(traits(chosen), {}) or ())
+    options = {"min_numel": min_numel} if min_numel and takes_min_numel else {}
     return Method(label, canonical, chosen, options, ef)
 
 
@@ -66,7 +68,7 @@ def _powersgd(spec: str, via: str, error_feedback: str) -> Method:
     label = f"powersgd:rank={options['rank']}"
     if not via:
         return Method(label, "none", "powersgd", options, ef)
-    if via not in ("hierarchical", "auto"):
+    if via not in STRATEGIES or not traits(via).wraps_inner:
         raise ValueError(f"powersgd runs on its own all-reduce, between nodes (@hierarchical) or chosen by "
                          f"@auto, not @{via}")
     return Method(f"{label}@{via}", "none", via, {"inner": "powersgd", **options}, ef)

@@ -330,6 +330,10 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: Compr
     the state. `options` are `GradwireState`'s (defaults: compressor ``"topk:ratio=0.01"``,
     strategy ``"auto"``); unknown strategies and options raise ValueError here, not at the
     first backward."""
+    if not hasattr(model, "register_comm_hook"):
+        raise TypeError(f"gradwire.hooks.ddp.register takes the DistributedDataParallel-wrapped model "
+                        f"(DDP(model, ...)), got a {type(model).__name__}; for FSDP2 (fully_shard) use "
+                        "gradwire.hooks.fsdp.register")
     if state is None:
         state = GradwireState(compressor, process_group=getattr(model, "process_group", None), **options)
     elif options:

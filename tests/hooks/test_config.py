@@ -258,3 +258,17 @@ def test_entry_points_share_rules_and_api_on_real_groups():
         assert r["fsdp"] == (1, True, True, 0)
         assert r["exchanger"] == (1, True, True, 0)
         assert r["config()"] is True and r["config() warns"] == ["DeprecationWarning"]
+
+
+def test_register_names_what_to_wrap_when_the_model_is_not_ddp() -> None:
+    """A bare module (no DDP around it) is refused at register with what to do, not an AttributeError."""
+    with pytest.raises(TypeError, match=r"DistributedDataParallel.*got a Linear.*fsdp.register"):
+        gw_ddp.register(nn.Linear(2, 2), "topk:ratio=0.5")
+
+
+def test_a_strategy_given_as_the_compressor_says_how_to_spell_it() -> None:
+    with pytest.raises(ValueError, match=r"unknown compressor 'powersgd'.*'powersgd' is a strategy.*"
+                                         r"compressor=\"none\", strategy='powersgd', rank=8"):
+        gw_ddp.GradwireState("powersgd:rank=8")
+    with pytest.raises(ValueError, match=r"unknown compressor 'bogus'; valid names"):  # no hint for others
+        ExchangeConfig("bogus", "allgather")
