@@ -184,6 +184,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._gw_seed = int(seed)
         self._gw_step = 0
+        self._gw_error_feedback = error_feedback
+        self._gw_options = dict(strategy_options or {})
+        self._gw_untaken = ExchangeStats()  # totals since the last take_stats()
+        self.last_stats: dict[str, Any] | None = None  # the last synchronized step's record
         self._gw_setup_strategies(strategy, dict(strategy_options or {}), error_feedback)
 
         params = [p for group in self.param_groups for p in group["params"]]
@@ -272,9 +276,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return self._gw_strategy_for(p.grad if p.grad is not None else p.detach())
         raise KeyError(f"no parameter named {name!r}")
 
-    def gradwire_stats(self) -> ExchangeStats:
-        """Bytes and times of the exchanges since the last call (then a fresh record starts)."""
-        return take_stats_of(self._gw_strategies.values())
+    # ---- the API every entry point shares -----------------------------------------------
+    def take_stats(self) -> ExchangeStats:
+        """Totals (bytes, seconds) of the steps synchronized since the last call."""
+        stats, self._gw_untaken = self._gw_untaken, ExchangeStats()
+        return stats
+
+    def get_config(self) -> dict[str, Any]:
+        """The gradwire settings as plain data (the keyword arguments that rebuild them)."""
+        return {"compression": str(self._gw_compressor), "error_feedback": self._gw_error_feedback,
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "op": "Average" if self.op == hvd.Average else "Sum", "seed": self._gw_seed,
+                "strategy": self._gw_strategy_name, "strategy_options": dict(self._gw_options)}
 
     # ---- launching ------------------------------------------------------------------
     def _gw_hook(self, p: torch.Tensor) -> None:
@@ -320,9 +333,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._gw_handles.clear()
                 for p in self._gw_delay:
                     self._gw_delay[p] = self.backward_passes_per_step
-            self._gw_step += 1
-            if errors:
+            stats = take_stats_of(self._gw_strategies.values())
+            if errors:  # the failed step's record ends here
+                self._gw_step += 1
                 raise errors[0]
+            self._gw_untaken = self._gw_untaken.merge(stats)
+            self.last_stats = {**stats.as_dict(), "step": self._gw_step}
+            self._gw_step += 1
         self._gw_synchronized = True
 
     @contextlib.contextmanager

@@ -296,8 +296,12 @@ def exchanges_go_through_horovod_backend():
             strategy = opt.gradwire_strategy(name)
             assert type(strategy.backend) is HorovodBackend, type(strategy.backend)
             assert strategy.name == expected, (spec, name, strategy.name)
-        stats = opt.gradwire_stats()
+        assert opt.last_stats is not None and opt.last_stats["step"] == 1, opt.last_stats  # (steps 0, 1)
+        stats = opt.take_stats()
         assert stats.bytes_sent > 0 and set(stats.buckets) == {n for n, _ in model.named_parameters()}, stats
+        assert stats.bytes_sent > opt.last_stats["bytes_sent"] > 0  # two steps' totals, one step's record
+        assert opt.take_stats().bytes_sent == 0  # taken: a fresh record starts
+        assert opt.get_config()["compression"] == str(gradwire.compressor(spec))
     for strategy in ("allgather", "artopk"):  # named strategies train and keep the ranks identical
         model = make_model()
         before = eval_loss(model)
