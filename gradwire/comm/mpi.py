@@ -120,6 +120,10 @@ class MPIBackend(Backend):
         self.timeout = float(timeout if timeout is not None else os.environ.get("GRADWIRE_MPI_TIMEOUT", 1800))
         if not self.timeout > 0:
             raise ValueError(f"MPI timeout must be > 0 seconds, got {self.timeout}")
+        # Buffers of requests MPI may still write into: MPI cannot cancel a collective, so after a
+        # timeout (or a Work dropped unwaited) a late peer's data still lands in them. They are
+        # released only when their request has completed, never to the allocator before.
+        self._held: list[tuple[Any, tuple[Any, ...]]] = []
 
     def __repr__(self) -> str:
         return f"MPIBackend(rank={self.rank}, world_size={self.world_size}, cuda_aware={self.cuda_aware})"
@@ -132,8 +136,17 @@ class MPIBackend(Backend):
         except self.MPI.Exception as e:
             raise CollectiveError(f"MPI {op} failed on rank {self.rank} of {self.world_size}: {e}") from e
 
+    def _issue(self, op: str, fn: Any, *buffers: Any) -> Any:
+        """Issue a non-blocking MPI call whose `buffers` MPI reads or writes until it completes:
+        they are held here until then, whatever happens to the caller's references."""
+        self._held = [(r, b) for r, b in self._held if not self._call(op, r.Test)]  # release the finished
+        req = self._call(op, fn)
+        self._held.append((req, buffers))
+        return req
+
     def _complete(self, op: str, req: Any) -> None:
-        """Wait for req, at most `timeout` seconds (MPI's own wait has no deadline)."""
+        """Wait for req, at most `timeout` seconds (MPI's own wait has no deadline). On a timeout
+        the request's buffers stay held (`_issue`): a late peer may still write into them."""
         deadline = time.monotonic() + self.timeout
         spins = 0
         while not self._call(op, req.Test):
@@ -149,7 +162,8 @@ class MPIBackend(Backend):
         mine = np.asarray(values, dtype=np.int64)
         out = np.zeros((self.world_size, mine.size + 1), dtype=np.int64)
         send = np.concatenate([mine, np.asarray([_INT_MARK ^ mine.size], dtype=np.int64)])
-        req = self._call(op, lambda: self.comm.Iallgather([send, self.MPI.INT64_T], [out, self.MPI.INT64_T]))
+        req = self._issue(op, lambda: self.comm.Iallgather([send, self.MPI.INT64_T], [out, self.MPI.INT64_T]),
+                          send, out)
         self._complete(op, req)
         for src, row in enumerate(out):
             if int(row[-1]) != _INT_MARK ^ mine.size:
@@ -194,8 +208,8 @@ class MPIBackend(Backend):
         flat = _flat(t)
         work = flat if sum_dtype == t.dtype else flat.to(sum_dtype)
         buf = self._stage_in(work)
-        req = self._call("allreduce", lambda: self.comm.Iallreduce(
-            self.MPI.IN_PLACE, [self._buf(buf), getattr(self.MPI, type_name)], op=self.MPI.SUM))
+        req = self._issue("allreduce", lambda: self.comm.Iallreduce(
+            self.MPI.IN_PLACE, [self._buf(buf), getattr(self.MPI, type_name)], op=self.MPI.SUM), buf)
 
         def finish() -> torch.Tensor:
             self._complete("allreduce", req)
@@ -225,12 +239,12 @@ class MPIBackend(Backend):
         send = self._stage_in(framed(_bytes(t)))  # bytes: any dtype, no MPI type table
         byte_counts = [c * item + TRAILER for c in counts]
         recv = self._zeros_for_mpi(sum(byte_counts), t)
-        req = self._call(op, lambda: self.comm.Iallgatherv(
-            [self._buf(send), self.MPI.BYTE], [self._buf(recv), byte_counts, _displacements(byte_counts), self.MPI.BYTE]))
+        req = self._issue(op, lambda: self.comm.Iallgatherv(
+            [self._buf(send), self.MPI.BYTE], [self._buf(recv), byte_counts, _displacements(byte_counts), self.MPI.BYTE]),
+            send, recv)
 
         def finish() -> list[torch.Tensor]:
             self._complete(op, req)
-            _ = send  # keep the send buffer alive until the request completes
             whole = recv if recv.device == t.device else recv.to(t.device)
             slots = list(torch.split(whole, byte_counts))
             check_frames(op, slots, [c * item for c in counts])
@@ -256,13 +270,13 @@ class MPIBackend(Backend):
         send = self._stage_in(torch.cat([framed(_bytes(c)) for c in chunks]))
         sb, rb = [n * item + TRAILER for n in send_counts], [n * item + TRAILER for n in recv_counts]
         recv = self._zeros_for_mpi(sum(rb), like)
-        req = self._call("alltoall", lambda: self.comm.Ialltoallv(
-            [self._buf(send), sb, _displacements(sb), self.MPI.BYTE], [self._buf(recv), rb, _displacements(rb), self.MPI.BYTE]))
+        req = self._issue("alltoall", lambda: self.comm.Ialltoallv(
+            [self._buf(send), sb, _displacements(sb), self.MPI.BYTE], [self._buf(recv), rb, _displacements(rb), self.MPI.BYTE]),
+            send, recv)
         counts = list(recv_counts)
 
         def finish() -> list[torch.Tensor]:
             self._complete("alltoall", req)
-            _ = send  # keep the send buffer alive until the request completes
             whole = recv if recv.device == like.device else recv.to(like.device)
             slots = list(torch.split(whole, rb))
             check_frames("alltoall", slots, [n * item for n in counts])
@@ -277,7 +291,7 @@ class MPIBackend(Backend):
         raw = _bytes(t)
         n = raw.numel()
         buf = self._stage_in(framed(raw)) if self.rank == src else self._zeros_for_mpi(n + TRAILER, t)
-        req = self._call("broadcast", lambda: self.comm.Ibcast([self._buf(buf), self.MPI.BYTE], root=src))
+        req = self._issue("broadcast", lambda: self.comm.Ibcast([self._buf(buf), self.MPI.BYTE], root=src), buf)
 
         def finish() -> torch.Tensor:
             self._complete("broadcast", req)

@@ -74,7 +74,20 @@ def a_frozen_peer_fails_within_the_timeout(b) -> None:
         took = time.monotonic() - start
         assert 1.9 < took < 5.0, f"raised after {took:.1f} s, timeout 2 s"
         assert "did not complete within 2 s" in message, message
+        # MPI cannot cancel the abandoned allreduce: its buffer must stay held, or the victim's late
+        # allreduce below writes into freed memory (the heap corruption this once caused at exit)
+        assert len(backend._held) == 1 and backend._held[0][1][0].numel() == 8, backend._held
     comm.Barrier()  # (the late allreduce matches the survivors' abandoned one; the job goes on)
+    if not victim:
+        late = backend._held[0][1][0]
+        deadline = time.monotonic() + 5.0
+        while not backend._held[0][0].Test() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert torch.equal(late, torch.full((8,), float(b.world_size))), late  # written into the held buffer
+    backend.barrier()  # a new request releases the finished one
+    req = backend._issue("barrier", comm.Ibarrier)
+    assert all(not bufs for _, bufs in backend._held), backend._held
+    backend._complete("barrier", req)
 
 
 if __name__ == "__main__":
