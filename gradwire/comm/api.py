@@ -147,10 +147,6 @@ class GradientExchanger(EntryPoint):
         self._checked_layout: tuple | None = None
 
     compressor = config_field("parsed_compressor", "the `Compressor` in use (read-only)")
-    strategy_name = config_field("strategy")
-    strategy_options = config_field("strategy_options")
-    error_feedback = config_field("error_feedback")
-    seed = config_field("seed")
     bucket_mb = config_field("bucket_mb")
     per_tensor = config_field("per_tensor")
 

@@ -202,12 +202,23 @@ def _compressor_or_hint(spec: Compressor | str) -> Compressor:
                          f"compressor=\"none\", strategy={name.strip()!r}" + (f", {options}" if options else "")) from None
 
 
+def config_field(name: str, doc: str = "") -> property:
+    """A read-only attribute of an entry point that reads `self.config.<name>` (old attribute names keep working)."""
+    return property(lambda self: getattr(self.config, name), doc=doc or f"`config.{name}` (read-only)")
+
+
 class EntryPoint:
     """What every entry point (DDP hook state, FSDP2 hook state, GradientExchanger) answers the
     same way: its config, and the statistics of the exchanges completed since `take_stats()`."""
 
     config: ExchangeConfig
     _untaken: ExchangeStats
+
+    # the settings every entry point has, read-only (the old attribute names)
+    strategy_name = config_field("strategy")
+    strategy_options = config_field("strategy_options")
+    error_feedback = config_field("error_feedback")
+    seed = config_field("seed")
 
     def get_config(self) -> dict[str, Any]:
         return self.config.get_config()
@@ -222,8 +233,3 @@ class EntryPoint:
         """Totals (bytes, seconds) of the exchanges completed since the last call."""
         stats, self._untaken = self._untaken, ExchangeStats()
         return stats
-
-
-def config_field(name: str, doc: str = "") -> property:
-    """A read-only attribute of an entry point that reads `self.config.<name>` (old attribute names keep working)."""
-    return property(lambda self: getattr(self.config, name), doc=doc or f"`config.{name}` (read-only)")

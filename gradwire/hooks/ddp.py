@@ -155,11 +155,7 @@ class GradwireState(EntryPoint):
             self.attach(model)
 
     compressor = config_field("compressor")
-    strategy_name = config_field("strategy")
-    strategy_options = config_field("strategy_options")
-    error_feedback = config_field("error_feedback")
     start_iter = config_field("start_iter")
-    seed = config_field("seed")
     warmup = config_field("warmup")
     warmup_ratio = config_field("warmup_ratio")
     precondition = config_field("precondition")

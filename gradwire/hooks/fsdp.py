@@ -170,10 +170,6 @@ class FSDPGradwireState(EntryPoint):
             self._strategy = self.config.build_strategy(TorchDistBackend(self.replicate_group))
 
     compressor = config_field("compressor")
-    strategy_name = config_field("strategy")
-    strategy_options = config_field("strategy_options")
-    error_feedback = config_field("error_feedback")
-    seed = config_field("seed")
     min_numel = config_field("min_numel")
     hsdp = config_field("hsdp")
 
