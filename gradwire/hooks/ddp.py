@@ -51,6 +51,8 @@ iteration uses DDP's initial buckets) then fails with a residual-shape error.
 """
 
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Any  # no "from __future__ import annotations": DDP inspects the hook's real annotations
 
 import torch
@@ -64,12 +66,21 @@ from ..comm.torch_dist import TorchDistBackend
 from ..compress import Compressor, Ctx
 from ..compress.schedule import ratio_of, warmup_ratio, with_ratio
 from .precondition import make_preconditioner
+from .ranks import PerRankState, check_rank, own_state, where
+from .watchdog import DirectionWatch, NeverCalled
 
 
 DEFAULT_COMPRESSOR = "topk:ratio=0.01"
 DEFAULT_STRATEGY = "auto"
 #: strategies that take a new compressor every step, so DGC's density warm-up can run on them
 WARMUP_STRATEGIES = tuple(strategy_names(lambda t: t.swaps_compressor))
+#: why a registered DDP hook may never run (the never-called warning names them)
+NEVER_CALLED_CAUSES = (
+    "a framework accepted the hook but did not register it (Lightning's DDPStrategy(ddp_comm_hook=...) registers "
+    "hooks on CUDA only; Accelerate's DistributedDataParallelKwargs(comm_hook=...) ignores callables): use "
+    "gradwire.integrations.lightning, .accelerate or .hf_trainer, or call gradwire.hooks.ddp.register(ddp_model, ...) "
+    "on the model once the framework has wrapped it in DistributedDataParallel; the model trains without its DDP "
+    "wrapper or inside no_sync(); or the job has a single process.")
 #: the first step at which per-bucket state is keyed reliably: DDP rebuilds its buckets after the first iteration
 SETTLED_STEP = 2
 
@@ -118,7 +129,7 @@ class DDPConfig(ExchangeConfig):
         return text
 
 
-class GradwireState(EntryPoint):
+class GradwireState(PerRankState, EntryPoint):
     """Everything the hook keeps between calls; pickles without its process group.
 
     compressor: a spec string (default ``"topk:ratio=0.01"``). strategy: default ``"auto"``.
@@ -151,8 +162,24 @@ class GradwireState(EntryPoint):
         self._param_names: dict[int, str] = {}
         self._param_sizes: list[int] | None = None
         self._param_shapes: list[torch.Size] | None = None
+        self._held: list[tuple[_Bucket, torch.futures.Future | None]] = []  # buckets `clip=` holds back
+        self._grad_norm: float | None = None  # this rank's gradient norm before clipping (with `clip=`)
+        self._start_watches()
         if model is not None:
             self.attach(model)
+
+    def _start_watches(self) -> None:
+        self._never_called = NeverCalled(self, lambda s: s.iter > 0 or bool(s._in_flight), "the gradwire DDP hook",
+                                         NEVER_CALLED_CAUSES)
+        self._direction = DirectionWatch(self) if self.preconditioner is not None else None
+
+    def _close(self, step: int, result: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+        """The step's last bucket is done: record its statistics, and (precondition=) note what the
+        optimizer must receive as the watched parameter's gradient."""
+        self._record(step)
+        if self._direction is not None and first is not None:
+            self._direction.expect(first, result[: first.numel()])
+        return result
 
     compressor = config_field("compressor")
     start_iter = config_field("start_iter")
@@ -216,6 +243,8 @@ class GradwireState(EntryPoint):
         merged = {**stats.as_dict(), "step": step, "iter": step}  # ("iter": the old name, kept for one release)
         if step >= self.start_iter and ratio_of(self.config.parsed_compressor) is not None:
             merged["density"] = self.density(step)
+        if self._grad_norm is not None:  # (precondition with clip=): the norm clip_grad_norm_ would return
+            merged["grad_norm"] = self._grad_norm
         self.last_stats = merged
         self.history.append(merged)
 
@@ -235,11 +264,16 @@ class GradwireState(EntryPoint):
     def state_dict(self) -> dict[str, Any]:
         strategy_state = self._strategy.state_dict() if self._strategy is not None else self._pending_state
         pre = self.preconditioner.state_dict() if self.preconditioner is not None else None
+        rank, world = where()
         return {"fingerprint": self.fingerprint(), "iter": self.iter, "strategy": strategy_state, "precondition": pre,
-                "config": self.get_config()}
+                "config": self.get_config(), "rank": rank, "world_size": world}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's state, or an all-ranks one (`all_ranks_state_dict()`), from which it takes its own
+        entry. Another rank's state, or one from a job of another size, raises ValueError."""
+        state = own_state(state, self.config.ENTRY_POINT)
         self.config.check_saved(state)
+        check_rank(state, self.config.ENTRY_POINT)
         self.iter = int(state["iter"])
         if self.preconditioner is not None:
             self.preconditioner.load_state_dict(state["precondition"])
@@ -252,7 +286,7 @@ class GradwireState(EntryPoint):
     def __getstate__(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items()
              if k not in ("process_group", "_strategy", "_dense", "_pending_state", "_checked", "_param_names",
-                          "_in_flight")}
+                          "_in_flight", "_held", "_never_called", "_direction")}
         d["_pending_state"] = self.state_dict()["strategy"]
         return d
 
@@ -268,7 +302,10 @@ class GradwireState(EntryPoint):
         self._checked = False
         self._param_names = {}
         self._in_flight = []
+        self._held = []
+        self.__dict__.setdefault("_grad_norm", None)
         self._tuned = -1
+        self._start_watches()
 
 
 _PICKLED_FIELDS = ("compressor", "strategy_name", "error_feedback", "start_iter", "seed", "warmup", "warmup_ratio",
@@ -284,19 +321,75 @@ def _with_config(d: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in d.items() if k not in _PICKLED_FIELDS}, "config": config}
 
 
+@dataclass
+class _Bucket:
+    """What the hook needs of a `dist.GradBucket`, kept when `clip=` holds buckets back."""
+
+    buffer: torch.Tensor
+    index: int
+    shapes: list[torch.Size]
+    keys: list[str] | None
+    last: bool
+    first: torch.Tensor | None = None  # (the last bucket's first parameter, watched under precondition=)
+
+
 def gradwire_hook(state: GradwireState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP comm hook: returns a future of the averaged bucket."""
-    buffer = bucket.buffer()
-    key = bucket.index()
     if not state._checked:  # first call, before any collective: configs may differ even in start_iter
         state._check_config()
-    if state.preconditioner is not None:  # every step, dense ones too: the optimizer is plain SGD
-        keys = state.keys_of(bucket)
-        if keys is None:
+    params = bucket.parameters()
+    held = _Bucket(bucket.buffer(), bucket.index(), [p.shape for p in params], state.keys_of(bucket),
+                   bucket.is_last(), params[0] if state.preconditioner is not None else None)
+    if state.preconditioner is not None:
+        if held.keys is None:
             raise ValueError("precondition= keeps Adam moments per parameter: register the hook with register() "
                              "or GradwireState(..., model=ddp)")
-        for seg in segments_of(buffer, key, [p.shape for p in bucket.parameters()], keys):
-            state.preconditioner.apply_(seg.of(buffer), seg.key)
+        if state.preconditioner.clip is not None:
+            return _clip_then_exchange(state, held)
+        _precondition(state, held)  # every step, dense ones too: the optimizer is plain SGD
+    return _exchange(state, held)
+
+
+def _precondition(state: GradwireState, b: _Bucket) -> None:
+    assert state.preconditioner is not None and b.keys is not None
+    for seg in segments_of(b.buffer, b.index, b.shapes, b.keys):
+        state.preconditioner.apply_(seg.of(b.buffer), seg.key)
+
+
+def _clip_then_exchange(state: GradwireState, b: _Bucket) -> torch.futures.Future[torch.Tensor]:
+    """Hold the step's buckets until the last, clip this rank's whole gradient to the preconditioner's
+    `clip`, precondition and send them all; the held buckets' futures follow their exchanges."""
+    if b.index == 0:
+        state._held = []
+    if not b.last:
+        waiting: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        state._held.append((b, waiting))
+        return waiting
+    held, state._held = state._held + [(b, None)], []
+    assert state.preconditioner is not None and state.preconditioner.clip is not None
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(h.buffer) for h, _ in held])))
+    scale = state.preconditioner.clip_scale(norm, state.preconditioner.clip)
+    state._grad_norm = norm
+    for h, waiting in held:
+        if scale < 1.0:
+            h.buffer.mul_(scale)
+        _precondition(state, h)
+        result = _exchange(state, h)
+        if waiting is None:
+            return result
+        result.add_done_callback(partial(_relay, waiting))
+    raise AssertionError("unreachable: the last bucket returns")
+
+
+def _relay(to: torch.futures.Future[torch.Tensor], done: torch.futures.Future[torch.Tensor]) -> None:
+    try:
+        to.set_result(done.value())
+    except Exception as e:  # noqa: BLE001 - the held bucket's future fails as its exchange did
+        to.set_exception(e)
+
+
+def _exchange(state: GradwireState, b: _Bucket) -> torch.futures.Future[torch.Tensor]:
+    buffer, key = b.buffer, b.index
     warmup = state.strategy.warmup_strategy
     if state.iter < state.start_iter and (warmup is None or state.iter < 2):  # (buckets settle after 2 steps)
         work: Work[torch.Tensor] = state.dense.exchange(buffer, key, Ctx(), average=True)
@@ -306,17 +399,16 @@ def gradwire_hook(state: GradwireState, bucket: dist.GradBucket) -> torch.future
     else:
         state._tune(state.iter)
         ctx = Ctx(seed=state.seed, step=state.iter, rank=state.backend.rank, key=key)
-        shapes = [p.shape for p in bucket.parameters()]
-        work = state.strategy.exchange(buffer, key, ctx, average=True, shapes=shapes, keys=state.keys_of(bucket))
+        work = state.strategy.exchange(buffer, key, ctx, average=True, shapes=b.shapes, keys=b.keys)
     if key == 0:  # DDP calls the buckets in index order: a new step (and nothing left from a failed one)
         state._in_flight = []
     future = work.future()
     state._in_flight.append(future)
-    if bucket.is_last():  # the step's record waits for all its buckets, which may finish in any order
+    if b.last:  # the step's record waits for all its buckets, which may finish in any order
         step, pending = state.iter, state._in_flight
         state.iter, state._in_flight = state.iter + 1, []
         last = future
-        return torch.futures.collect_all(pending).then(lambda _: (state._record(step), last.value())[1])
+        return torch.futures.collect_all(pending).then(lambda _: state._close(step, last.value(), b.first))
     return future
 
 

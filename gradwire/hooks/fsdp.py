@@ -55,6 +55,8 @@ from ..comm.registry import StrategyTraits
 from ..comm.base import ExchangeStats, Segment, Strategy
 from ..comm.torch_dist import TorchDistBackend, dense_reduce_scatter
 from ..compress import Compressor, Ctx, compressor as make_compressor
+from .ranks import PerRankState, check_rank, own_state, where
+from .watchdog import NeverCalled
 
 try:  # the interface FSDP2 expects; private in torch 2.13
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
@@ -87,6 +89,12 @@ class _Unit:
 
 
 DEFAULT_COMPRESSOR = "int8"
+#: why a registered FSDP hook may never run (the never-called warning names them)
+NEVER_CALLED_CAUSES = (
+    "a data-parallel size of 1 (a shard group of one rank has nothing to reduce-scatter, e.g. Lightning's "
+    "ModelParallelStrategy whose default mesh gives every device of the node to tensor parallelism; with HSDP, a "
+    "replicate group of one rank); fully_shard applied again after gradwire.hooks.fsdp.register (register on the "
+    "final model); or gradient sync turned off (set_requires_gradient_sync(False)).")
 REDUCE_SCATTER_STRATEGY = "alltoall"  # plain FSDP's default (and only) strategy
 
 
@@ -142,7 +150,7 @@ class FSDPConfig(ExchangeConfig):
                 f"seed={self.seed} min_numel={self.min_numel} options={self.strategy_options} hsdp={self.hsdp}")
 
 
-class FSDPGradwireState(EntryPoint):
+class FSDPGradwireState(PerRankState, EntryPoint):
     """Config, strategies and per-shard state of the FSDP hook.
 
     compressor: a spec string (default ``"int8"``). strategy: default ``"alltoall"`` (the
@@ -166,6 +174,8 @@ class FSDPGradwireState(EntryPoint):
         self._shard_group: dist.ProcessGroup | None = None
         self._pending: dict[str, Any] | None = None
         self._checked = False
+        self._ran = False  # (a loaded state's calls count earlier steps; this counts this process's)
+        self._never_called = NeverCalled(self, lambda s: s._ran, "the gradwire FSDP hook", NEVER_CALLED_CAUSES)
         if self.hsdp:  # built now, as before: building checks the options' values (e.g. PowerSGD's rank)
             self._strategy = self.config.build_strategy(TorchDistBackend(self.replicate_group))
 
@@ -249,6 +259,7 @@ class FSDPGradwireState(EntryPoint):
                              f"parameters need {world} x {unit.numel}: {_UNUSED}")
         step = unit.calls
         unit.calls += 1
+        self._ran = True
         if self.compressor == "none":
             t0 = time.perf_counter()
             dense_reduce_scatter(out, x, group, op)
@@ -272,6 +283,7 @@ class FSDPGradwireState(EntryPoint):
         assert self._strategy is not None
         step = unit.calls
         unit.calls += 1
+        self._ran = True
         ctx = Ctx(seed=self.seed, step=step, rank=self._strategy.backend.rank, key=unit.name)
         result = self._strategy.exchange(shard, unit.name, ctx, average=True, shapes=unit.shapes,
                                          keys=unit.keys).wait()
@@ -281,13 +293,16 @@ class FSDPGradwireState(EntryPoint):
     # ---- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         strategy = self._strategy.state_dict() if self._strategy is not None else self._pending
-        return {"fingerprint": self.fingerprint(), "rank": dist.get_rank(), "describe": self.describe(),
+        rank, world = where()
+        return {"fingerprint": self.fingerprint(), "rank": rank, "world_size": world, "describe": self.describe(),
                 "calls": {n: u.calls for n, u in self.units.items()}, "strategy": strategy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's state, or an all-ranks one (`all_ranks_state_dict()`), from which it takes its own
+        entry. Another rank's state, or one from a job of another size, raises ValueError."""
+        state = own_state(state, self.config.ENTRY_POINT)
         self.config.check_saved(state, self.fingerprint())  # (its fingerprint covers the layout too)
-        if state["rank"] != dist.get_rank():
-            raise ValueError(f"this state belongs to rank {state['rank']}, not {dist.get_rank()}")
+        check_rank(state, self.config.ENTRY_POINT)
         for name, calls in state["calls"].items():
             self.units[name].calls = int(calls)
         if state["strategy"] is not None:
@@ -375,7 +390,14 @@ def register(model: torch.nn.Module, compressor: Compressor | str = DEFAULT_COMP
         state = FSDPGradwireState(compressor, **options)
     elif options:
         raise ValueError("pass either an existing state or options for a new one, not both")
-    for module, group, unit in _units(model):
+    units = _units(model)
+    across = state.replicate_group if state.hsdp else units[0][2].shard_group
+    if across is not None and across.size() == 1:
+        warnings.warn(f"gradwire FSDP hook: the {'replicate' if state.hsdp else 'shard'} group has one rank, so "
+                      "there is no gradient exchange to compress and the hook will not be called (data-parallel "
+                      "size 1); give the mesh's data-parallel dimension more than one rank", RuntimeWarning,
+                      stacklevel=2)
+    for module, group, unit in units:
         state.units[unit.name] = unit
         if state.hsdp:
             if group._is_hsdp:

@@ -34,6 +34,8 @@ from .turns import TimedTurns
 from .uncompressed import FasterUncompressed
 
 log = logging.getLogger("gradwire")
+#: candidates that do not compress: choosing dense for a bucket is worth a warning
+UNCOMPRESSED = ("dense", "bf16")
 
 #: The order candidates are modelled in: `candidates` sorts by time, so ties keep this order.
 MODEL_ORDER = ("dense", "allgather", "powersgd", "oktopk", "bf16", "hierarchical")
@@ -111,6 +113,8 @@ class Auto(Strategy):
             raise ValueError(f"settle must be >= 0, got {settle}")
         self.settle = 3 * self.trials if settle is None else int(settle)  # more turns for near-ties
         self.choices: dict[str, str] = {}  # bucket key -> its measured choice (else `choice`)
+        self._timings: dict[str, float] = {}  # every trial phase's measurements, for the warning
+        self._modelled: dict[str, float] = {}  # the cost model's times that shortlisted the trial
         if c.summable and self.lowrank is None:
             self.subs: dict[str, Strategy] = {"allreduce": Allreduce(backend, c, error_feedback)}
             self.choice = "allreduce"  # nothing to measure
@@ -224,6 +228,7 @@ class Auto(Strategy):
         if self.lowrank is not None and self._model is None:  # none would be left out: all, not probed
             return list(self.subs)
         times = self.predict(self.plan_sizes or sizes, dtype, self.plan_shapes or shapes)
+        self._modelled = times
         best = min(times.values())
         keep = [n for n in sorted(times, key=lambda n: times[n])
                 if n in ("dense", "bf16") or times[n] <= 3 * best]
@@ -254,6 +259,7 @@ class Auto(Strategy):
         assert phase is not None
         mix = sum(min(t.values()) for t in self.measured_per_bucket.values())  # each bucket's fastest
         close = [n for n in phase.order if self.measured[n] <= (1 + policy.TRIAL_CLOSE) * mix]
+        self._timings = {**self._timings, **self.measured}  # (every candidate's, for the warning)
         if phase.untimed and self.settle and len(close) > 1:
             trial.start(ctx.step, close, untimed=0, timed=self.settle)
             return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
@@ -264,6 +270,7 @@ class Auto(Strategy):
                  ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()),
                  "; ".join(f"{b}: {self.choices[b]} ({', '.join(f'{n} {t * 1e3:.3f}' for n, t in m.items())})"
                            for b, m in self.measured_per_bucket.items()))
+        self._say_if_uncompressed({**self._timings, **self.measured}, "measured")
         return None
 
     def choose(self, sizes: list[int], dtype: torch.dtype, shapes: list[torch.Size] | None = None) -> str:
@@ -273,7 +280,28 @@ class Auto(Strategy):
             log.info("gradwire auto: %s for %d tensors of %d elements in all; modelled: %s", self.choice,
                      len(self.plan_sizes or sizes), sum(self.plan_sizes or sizes),
                      ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in times.items()))
+            self._say_if_uncompressed(times, "modelled")
         return self.choice
+
+    def _say_if_uncompressed(self, times: dict[str, float], how: str) -> None:
+        """One WARNING when auto decides to send gradients uncompressed: a newcomer's local check
+        otherwise shows no compression with nothing said (what it timed, and how to force it)."""
+        chosen = list(self.choices.values()) or [self.choice]
+        dense = sum(c == "dense" for c in chosen)
+        if not dense:
+            return
+        def listed(t: dict[str, float]) -> str:
+            return ", ".join(f"{n} {s * 1e3:.3f} ms" for n, s in sorted(t.items(), key=lambda kv: kv[1]) if s > 0)
+
+        modelled = times if how == "modelled" else self._modelled
+        compressed = {n: t for n, t in modelled.items() if n not in UNCOMPRESSED and t > 0}
+        # (allgather keeps what the compressor chose, as the tie-break does; else the fastest compressed)
+        best = "allgather" if "allgather" in self.subs or not compressed else min(compressed, key=compressed.get)
+        timing = f"{how}: {listed(times)}" + (f"; modelled: {listed(modelled)}" if modelled is not times else "")
+        log.warning("gradwire auto: %s %d of %d buckets uncompressed: a dense allreduce is the fastest exchange "
+                    "per step here (%s), so compressing (%s) would cost more time than it saves on these links. "
+                    "To compress anyway pass strategy=%r (state.strategy.choices shows the choice per bucket).",
+                    "sends" if how == "measured" else "will send", dense, len(chosen), timing, self.compressor, best)
 
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:

@@ -1,0 +1,105 @@
+"""Every rank's hook state in one object, for checkpointers that save from one rank only.
+
+A hook's state is per rank (each rank's error-feedback residuals and Adam moments differ), but
+Lightning, Accelerate and the Hugging Face Trainer write what rank 0 hands them. `gather_states`
+collects each rank's `state_dict()` on the saving rank; `own_state` picks this rank's entry back
+out when every rank loads that file, so a rank-0-only checkpoint resumes every rank exactly.
+States travel as `torch.save` bytes and are read with `torch.load(weights_only=True)`: tensors and
+plain data only, nothing a peer sends is unpickled into code.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+ALL_RANKS = "gradwire-all-ranks"
+VERSION = 1
+
+
+def where() -> tuple[int, int]:
+    """(global rank, world size) of this process; (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_all_ranks(saved: Mapping[str, Any]) -> bool:
+    return isinstance(saved, Mapping) and saved.get("format") == ALL_RANKS
+
+
+def _to_bytes(state: Mapping[str, Any]) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(dict(state), buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(blob: torch.Tensor) -> dict[str, Any]:
+    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+
+
+def gather_states(local: Mapping[str, Any], dst: int = 0) -> dict[str, Any]:
+    """Collective over the default group: every rank must call it. Returns, on `dst`, every rank's
+    state in rank order; on the other ranks a marker that holds none (their framework does not
+    write it)."""
+    rank, world = where()
+    if world == 1:
+        return {"format": ALL_RANKS, "version": VERSION, "world_size": 1, "ranks": [dict(local)]}
+    blob = _to_bytes(local)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([blob.numel()], dtype=torch.int64))
+    longest = int(max(int(s) for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: blob.numel()] = blob
+    received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)] if rank == dst else None
+    dist.gather(padded, received, dst=dst)
+    if received is None:
+        return {"format": ALL_RANKS, "version": VERSION, "world_size": world, "ranks": None, "held_by": dst}
+    states = [_from_bytes(r[: int(s)]) for r, s in zip(received, sizes)]
+    return {"format": ALL_RANKS, "version": VERSION, "world_size": world, "ranks": states}
+
+
+def own_state(saved: Mapping[str, Any], entry_point: str = "gradwire hook") -> dict[str, Any]:
+    """This rank's state: `saved` itself when it is one rank's, else this rank's entry of an
+    all-ranks state. ValueError when the world size differs or the object holds no states."""
+    if not is_all_ranks(saved):
+        return dict(saved)
+    rank, world = where()
+    if saved.get("version", VERSION) > VERSION:
+        raise ValueError(f"this all-ranks {entry_point} state has format version {saved['version']}; "
+                         f"this gradwire reads up to {VERSION}")
+    if saved["world_size"] != world:
+        raise ValueError(f"this {entry_point} state was saved by {saved['world_size']} ranks; this job has {world}: "
+                         "error-feedback residuals and moments are per rank and cannot be regrouped")
+    if saved["ranks"] is None:
+        raise ValueError(f"this all-ranks {entry_point} state is the empty marker of a rank that did not save; "
+                         f"load the one rank {saved.get('held_by', 0)} saved")
+    return dict(saved["ranks"][rank])
+
+
+def check_rank(saved: Mapping[str, Any], entry_point: str = "gradwire hook") -> None:
+    """ValueError unless `saved` (one rank's state) was saved by this rank in a job of this size.
+    States saved before ranks were recorded (no "rank" key) pass."""
+    rank, world = where()
+    was_rank, was_world = saved.get("rank"), saved.get("world_size")
+    if was_rank is not None and was_rank != rank or was_world is not None and was_world != world:
+        of = f" of {was_world}" if was_world is not None else ""
+        raise ValueError(f"this {entry_point} state was saved by rank {was_rank}{of}; this is rank {rank} of {world}. "
+                         "Each rank keeps its own residuals: save every rank's state (state.all_ranks_state_dict() "
+                         "on every rank, or one file per rank) and load each rank its own")
+
+
+class PerRankState:
+    """What the hook states share: `state_dict()` is this rank's; `all_ranks_state_dict()` every
+    rank's (a collective), the form to hand a checkpointer that saves from one rank."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def all_ranks_state_dict(self, dst: int = 0) -> dict[str, Any]:
+        """Every rank's `state_dict()` gathered on `dst` (all ranks must call this; the others get
+        a marker holding none). `load_state_dict` takes it on every rank and keeps its own entry."""
+        return gather_states(self.state_dict(), dst)

@@ -1,0 +1,115 @@
+"""Warnings for the two silent failures a hook cannot see from inside: never being called, and the
+optimizer receiving something other than what the hook sent.
+
+Both listen to every optimizer's steps through torch's global optimizer step hooks
+(`torch.optim.optimizer.register_optimizer_step_{pre,post}_hook`), so they work whoever drives
+training (a plain loop, Lightning, Accelerate, the Trainer) without touching the framework. One pair
+of global hooks serves every watch (torch iterates its hooks while calling them, so a watch cannot
+remove its own); watches hold the hook state weakly and retire once they have warned, or once the
+state is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+log = logging.getLogger("gradwire")
+_WATCHES: "weakref.WeakSet[NeverCalled | DirectionWatch]" = weakref.WeakSet()
+_installed = False
+
+
+def _watch(w: "NeverCalled | DirectionWatch") -> None:
+    global _installed
+    if not _installed:
+        register_optimizer_step_pre_hook(lambda opt, args, kwargs: _each("before_step", opt))
+        register_optimizer_step_post_hook(lambda opt, args, kwargs: _each("after_step", opt))
+        _installed = True
+    _WATCHES.add(w)
+
+
+def _each(event: str, optimizer: torch.optim.Optimizer) -> None:
+    for w in list(_WATCHES):
+        if getattr(w, event)(optimizer):
+            _WATCHES.discard(w)
+
+#: optimizer steps without a single hook call after which a registered hook warns
+SILENT_STEPS = 3
+
+
+class NeverCalled:
+    """Warn once when `ran(state)` is still False after `SILENT_STEPS` optimizer steps taken since
+    the state was created: a hook that was registered (or handed to a framework) but never runs."""
+
+    def __init__(self, state: Any, ran: Callable[[Any], bool], what: str, causes: str) -> None:
+        self._state = weakref.ref(state)
+        self._ran, self._what, self._causes = ran, what, causes
+        self.steps = 0
+        _watch(self)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        return False
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Count one optimizer step; True once this watch is done."""
+        state = self._state()
+        if state is None or self._ran(state):
+            return True
+        self.steps += 1
+        if self.steps < SILENT_STEPS:
+            return False
+        warnings.warn(f"{self._what} has not been called in the {self.steps} optimizer steps since it was "
+                          f"created: gradients are exchanged without it (uncompressed, or not at all). "
+                      f"Likely causes: {self._causes}", RuntimeWarning, stacklevel=2)
+        return True
+
+
+class DirectionWatch:
+    """With `precondition="adam"` the optimizer must apply the averaged Adam direction the hook sent.
+    Checks one parameter per step: if its gradient was rescaled between the exchange and the
+    optimizer's step (gradient clipping, AMP's unscaling), warn once with what to change."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = weakref.ref(state)
+        self.param: weakref.ref[torch.Tensor] | None = None
+        self.sent_norm: float | None = None
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        _watch(self)
+
+    def expect(self, param: torch.Tensor, sent: torch.Tensor) -> None:
+        """The hook sent `sent` as `param`'s averaged direction this step."""
+        self.param, self.sent_norm = weakref.ref(param), float(torch.linalg.vector_norm(sent))
+
+    def _holds(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+        if optimizer not in self._optimizers:
+            self._optimizers[optimizer] = any(p is param for g in optimizer.param_groups for p in g["params"])
+        return self._optimizers[optimizer]
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        return False
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Compare the watched gradient with what the hook sent; True once this watch is done."""
+        if self._state() is None:
+            return True
+        param = self.param() if self.param is not None else None
+        if param is None or param.grad is None or not self.sent_norm or not self._holds(optimizer, param):
+            return False
+        ratio = float(torch.linalg.vector_norm(param.grad)) / self.sent_norm
+        self.sent_norm = None  # once per exchange
+        if abs(ratio - 1.0) <= 1e-3:
+            return False
+        warnings.warn(
+            f"gradwire: precondition='adam' hands the optimizer Adam's averaged direction, and something "
+            f"scaled it by {ratio:.3g} before the optimizer step (gradient clipping, or AMP's unscale). "
+            "Clipping Adam's direction (norm about sqrt(#parameters)) shrinks every step. Clip the true "
+            "gradient in the hook instead, precondition='adam:clip=1.0', and turn the framework's clipping "
+            "off (your loop: drop clip_grad_norm_; Hugging Face Trainer: max_grad_norm=0, or use "
+            "gradwire.integrations.hf_trainer, which moves it; Lightning: gradient_clip_val=None)",
+            RuntimeWarning, stacklevel=2)
+        return True
