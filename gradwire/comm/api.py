@@ -40,7 +40,7 @@ from ..compress import Compressor, Ctx
 from ..errors import ConfigMismatchError, WireFormatError  # noqa: F401 (ConfigMismatchError: raised by the check)
 from .backend import Backend, Work
 from .base import ExchangeStats, Strategy
-from .config import EntryPoint, ExchangeConfig, config_field
+from .config import EntryPoint, ExchangeConfig, check_rank, config_field
 from .mpi import MPIBackend
 
 
@@ -280,11 +280,13 @@ class GradientExchanger(EntryPoint):
     # ---- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Step, config and the strategy's state (error-feedback residuals, auto's choices)."""
-        return {"version": 1, "step": self.step, "config": self.get_config(), "strategy": self.strategy.state_dict()}
+        return {"version": 1, "step": self.step, "config": self.get_config(), "strategy": self.strategy.state_dict(),
+                "rank": self.backend.rank, "world_size": self.backend.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != 1:
             raise ValueError(f"unknown GradientExchanger state version {state.get('version')!r}")
         self.config.check_saved(state)
+        check_rank(state, self.backend.rank, self.backend.world_size, self.config.ENTRY_POINT)
         self.strategy.load_state_dict(state["strategy"])
         self.step = int(state["step"])

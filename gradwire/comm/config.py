@@ -188,6 +188,18 @@ class ExchangeConfig:
             raise ValueError(f"checkpoint was saved with {was}, this {self.ENTRY_POINT} has {self.describe()}")
 
 
+def check_rank(saved: Mapping[str, Any], rank: int, world: int, entry_point: str) -> None:
+    """ValueError unless `saved` (one rank's state) was saved by this rank in a job of this size:
+    states are per rank (error-feedback residuals, moments), so another rank's would resume silently
+    wrong. States saved before ranks were recorded (no "rank" key) pass."""
+    was_rank, was_world = saved.get("rank"), saved.get("world_size")
+    if was_rank is not None and was_rank != rank or was_world is not None and was_world != world:
+        of = f" of {was_world}" if was_world is not None else ""
+        raise ValueError(f"this {entry_point} state was saved by rank {was_rank}{of}; this is rank {rank} of {world}. "
+                         "Each rank keeps its own residuals: save every rank's state (all_ranks_state_dict() on "
+                         "every rank, or one file per rank) and load each rank its own")
+
+
 def _compressor_or_hint(spec: Compressor | str) -> Compressor:
     """The compressor; a strategy's name given as the compressor (``"powersgd:rank=8"``) raises
     with the spelling that works instead of only "unknown compressor"."""

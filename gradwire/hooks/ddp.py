@@ -59,14 +59,14 @@ import torch
 import torch.distributed as dist
 
 from ..comm.backend import Work
-from ..comm.config import EntryPoint, ExchangeConfig, config_field, strategy_names
+from ..comm.config import EntryPoint, ExchangeConfig, check_rank, config_field, strategy_names
 from ..comm.base import ExchangeStats, Strategy, segments_of
 from ..comm.dense import DenseAllreduce
 from ..comm.torch_dist import TorchDistBackend
 from ..compress import Compressor, Ctx
 from ..compress.schedule import ratio_of, warmup_ratio, with_ratio
 from .precondition import make_preconditioner
-from .ranks import PerRankState, check_rank, own_state, where
+from .ranks import PerRankState, own_state, where
 from .watchdog import DirectionWatch, NeverCalled
 
 
@@ -273,7 +273,7 @@ class GradwireState(PerRankState, EntryPoint):
         entry. Another rank's state, or one from a job of another size, raises ValueError."""
         state = own_state(state, self.config.ENTRY_POINT)
         self.config.check_saved(state)
-        check_rank(state, self.config.ENTRY_POINT)
+        check_rank(state, *where(), self.config.ENTRY_POINT)
         self.iter = int(state["iter"])
         if self.preconditioner is not None:
             self.preconditioner.load_state_dict(state["precondition"])

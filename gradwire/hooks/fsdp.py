@@ -49,13 +49,13 @@ except ImportError as exc:  # pragma: no cover - torch before FSDP2's public API
     raise ImportError(f"gradwire.hooks.fsdp needs FSDP2 (torch.distributed.fsdp.FSDPModule); torch "
                       f"{torch.__version__} has none") from exc
 
-from ..comm.config import EntryPoint, ExchangeConfig, accepted_options, config_field, strategy_names
+from ..comm.config import EntryPoint, ExchangeConfig, check_rank, accepted_options, config_field, strategy_names
 from ..comm.reduce_scatter import ReduceScatter
 from ..comm.registry import StrategyTraits
 from ..comm.base import ExchangeStats, Segment, Strategy
 from ..comm.torch_dist import TorchDistBackend, dense_reduce_scatter
 from ..compress import Compressor, Ctx, compressor as make_compressor
-from .ranks import PerRankState, check_rank, own_state, where
+from .ranks import PerRankState, own_state, where
 from .watchdog import NeverCalled
 
 try:  # the interface FSDP2 expects; private in torch 2.13
@@ -302,7 +302,7 @@ class FSDPGradwireState(PerRankState, EntryPoint):
         entry. Another rank's state, or one from a job of another size, raises ValueError."""
         state = own_state(state, self.config.ENTRY_POINT)
         self.config.check_saved(state, self.fingerprint())  # (its fingerprint covers the layout too)
-        check_rank(state, self.config.ENTRY_POINT)
+        check_rank(state, *where(), self.config.ENTRY_POINT)
         for name, calls in state["calls"].items():
             self.units[name].calls = int(calls)
         if state["strategy"] is not None:

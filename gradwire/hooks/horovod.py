@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Iterable
 import torch
 
 from ..comm.backend import Work
+from ..comm.config import check_rank
 from ..comm.horovod import HorovodBackend, horovod_sums, hvd, need_horovod
 from ..comm.registry import STRATEGIES, make_strategy, traits
 from ..comm.base import ExchangeStats, Strategy, StrategyTraits, take_stats_of
@@ -371,7 +372,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The gradwire part of the state: compressor, step counter, error-feedback residuals
         (the default strategies'), or a named strategy's own state."""
         state: dict[str, Any] = {"compressor": str(self._gw_compressor), "step": self._gw_step,
-                                 "feedback": self._gw_feedback.state_dict() if self._gw_feedback is not None else None}
+                                 "feedback": self._gw_feedback.state_dict() if self._gw_feedback is not None else None,
+                                 "rank": hvd.rank(), "world_size": hvd.size()}
         if self._gw_strategy_name is not None:
             state["strategy"] = self._gw_strategy_name
             state["strategy_state"] = self._gw_strategies[self._gw_strategy_name].state_dict()
@@ -380,6 +382,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_gradwire_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or "compressor" not in state or "step" not in state:
             raise ValueError("not a gradwire DistributedOptimizer state (no compressor and step entries)")
+        check_rank(state, hvd.rank(), hvd.size(), "gradwire DistributedOptimizer")
         if state["compressor"] != str(self._gw_compressor):
             raise ValueError(f"state was saved for compressor {state['compressor']!r}, "
                              f"this optimizer uses {str(self._gw_compressor)!r}")

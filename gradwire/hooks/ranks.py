@@ -80,18 +80,6 @@ def own_state(saved: Mapping[str, Any], entry_point: str = "gradwire hook") -> d
     return dict(saved["ranks"][rank])
 
 
-def check_rank(saved: Mapping[str, Any], entry_point: str = "gradwire hook") -> None:
-    """ValueError unless `saved` (one rank's state) was saved by this rank in a job of this size.
-    States saved before ranks were recorded (no "rank" key) pass."""
-    rank, world = where()
-    was_rank, was_world = saved.get("rank"), saved.get("world_size")
-    if was_rank is not None and was_rank != rank or was_world is not None and was_world != world:
-        of = f" of {was_world}" if was_world is not None else ""
-        raise ValueError(f"this {entry_point} state was saved by rank {was_rank}{of}; this is rank {rank} of {world}. "
-                         "Each rank keeps its own residuals: save every rank's state (state.all_ranks_state_dict() "
-                         "on every rank, or one file per rank) and load each rank its own")
-
-
 class PerRankState:
     """What the hook states share: `state_dict()` is this rank's; `all_ranks_state_dict()` every
     rank's (a collective), the form to hand a checkpointer that saves from one rank."""

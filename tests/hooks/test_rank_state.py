@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradwire.comm import GradientExchanger
+from gradwire.comm.torch_dist import TorchDistBackend
 from gradwire.hooks import ddp as gw_ddp
 from gradwire.hooks import ranks, watchdog
 from multiproc import run_ranks
@@ -34,6 +36,13 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, i: int, clip: 
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
+
+
+def exchanger_state(exchanger: GradientExchanger, rank: int) -> dict:
+    """Rank 0's GradientExchanger state, on every rank."""
+    sent = [exchanger.state_dict() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(sent, src=0)  # (test-only: our own trusted ranks)
+    return sent[0]
 
 
 def fresh(rank: int) -> tuple[DDP, torch.optim.Optimizer]:
@@ -86,6 +95,12 @@ def _scenarios(rank: int, world: int, path: str) -> dict:
         out["rank0_state_loads"] = "loaded"
     except ValueError as e:
         out["rank0_state_loads"] = str(e)
+    exchanger = GradientExchanger(SPEC, TorchDistBackend(), strategy="allgather")
+    try:
+        exchanger.load_state_dict(exchanger_state(exchanger, rank))
+        out["exchanger_loads"] = "loaded"
+    except ValueError as e:
+        out["exchanger_loads"] = str(e)
     if rank == 1:
         try:
             s.load_state_dict(everyone)
@@ -147,6 +162,8 @@ def test_another_ranks_state_is_refused(results):
     assert results[0]["rank0_state_loads"] == "loaded"
     assert "saved by rank 0 of 2; this is rank 1 of 2" in results[1]["rank0_state_loads"]
     assert "load the one rank 0 saved" in results[1]["marker_loads"]
+    assert results[0]["exchanger_loads"] == "loaded"
+    assert "saved by rank 0 of 2; this is rank 1 of 2" in results[1]["exchanger_loads"]
 
 
 def test_a_called_hook_does_not_warn(results):
