@@ -55,7 +55,7 @@ class ExchangerConfig(ExchangeConfig):
 
     ENTRY_POINT = "gradwire exchanger"
 
-    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str = DEFAULT_STRATEGY, *,
+    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str | None = None, *,
                  error_feedback: bool | str = "auto", seed: int = 0, bucket_mb: float | None = None,
                  per_tensor: bool = True, strategy_options: dict[str, Any] | None = None, **options: Any) -> None:
         if bucket_mb is not None and not bucket_mb > 0:
@@ -64,6 +64,9 @@ class ExchangerConfig(ExchangeConfig):
                          strategy_options=strategy_options, **options)
         self.bucket_mb = bucket_mb
         self.per_tensor = bool(per_tensor)
+
+    def default_strategy(self) -> str:
+        return DEFAULT_STRATEGY
 
     def _own_fields(self) -> dict[str, Any]:
         return {"bucket_mb": self.bucket_mb, "per_tensor": self.per_tensor}
@@ -130,7 +133,7 @@ class GradientExchanger(EntryPoint):
     """
 
     def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, backend: Backend | None = None,
-                 strategy: str = DEFAULT_STRATEGY, error_feedback: bool | str = "auto", seed: int = 0,
+                 strategy: str | None = None, error_feedback: bool | str = "auto", seed: int = 0,
                  bucket_mb: float | None = None, per_tensor: bool = True, **strategy_options: Any) -> None:
         self.config = ExchangerConfig(compressor, strategy, error_feedback=error_feedback, seed=seed,
                                       bucket_mb=bucket_mb, per_tensor=per_tensor, **strategy_options)

@@ -53,6 +53,51 @@ def accepted_options(found: StrategyTraits, options: Mapping[str, Any]) -> froze
     return None
 
 
+def _option_value(text: str) -> Any:
+    """A method string's option value: int, float, true/false, or the text itself."""
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def split_method(spec: str) -> tuple[str, str | None, dict[str, Any]]:
+    """One spelling of a method for every entry point and `gradwire experiment`: (compressor,
+    strategy or None, strategy options).
+
+    ``"topk:ratio=0.01@allgather"`` -> ``("topk:ratio=0.01", "allgather", {})``;
+    ``"powersgd:rank=8"`` (a strategy that compresses by itself, named as the method) ->
+    ``("none", "powersgd", {"rank": 8})``; ``"powersgd:rank=8@auto"`` (inside a strategy that wraps
+    another) -> ``("none", "auto", {"inner": "powersgd", "rank": 8})``; a compressor alone -> (it, None, {})."""
+    body, at, via = spec.partition("@")
+    body, via = body.strip(), via.strip()
+    if at and not via:
+        raise ValueError(f"{spec!r} has nothing after '@': name a strategy ({', '.join(KNOWN)})")
+    if via and via not in KNOWN:
+        raise ValueError(f"unknown strategy {via!r} in {spec!r}; valid: {', '.join(KNOWN)}")
+    name, _, args = body.partition(":")
+    name = name.strip()
+    if not (name in KNOWN and strategy_traits(name).own_compression):
+        return body, via or None, {}
+    options: dict[str, Any] = {}
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{name} options are key=value, got {item!r} in {spec!r}")
+        options[key.strip()] = _option_value(value)
+    if not via:
+        return "none", name, options
+    if not strategy_traits(via).wraps_inner:
+        wrappers = ", ".join(strategy_names(lambda t: t.wraps_inner))
+        raise ValueError(f"{name} runs on its own ({name!r}) or inside {wrappers} ('{name}:...@auto'), not @{via}")
+    return "none", via, {"inner": name, **options}
+
+
 def _check_relayed(first: Backend, second: Backend, text: str, what: str, rank: int) -> None:
     """`check_same_config` over a 2-D mesh known only by its two groups (HSDP: shard, then
     replicate): every rank learns every (rank, digest) pair in two hops, so all take the same
@@ -73,14 +118,27 @@ class ExchangeConfig:
     #: what the entry point is called in errors
     ENTRY_POINT = "gradwire"
 
-    def __init__(self, compressor: Compressor | str, strategy: str, *, error_feedback: bool | str = "auto",
+    def __init__(self, compressor: Compressor | str, strategy: str | None, *, error_feedback: bool | str = "auto",
                  seed: int = 0, strategy_options: Mapping[str, Any] | None = None, **options: Any) -> None:
+        named: dict[str, Any] = {}
+        if isinstance(compressor, str):  # the method string may name the strategy too (`split_method`)
+            spec = compressor
+            compressor, via, named = split_method(spec)
+            if via is not None and strategy is not None and strategy != via:
+                raise ValueError(f"{spec!r} names strategy {via!r}, and strategy={strategy!r} was given: pass one")
+            strategy = strategy if via is None else via
         self.parsed_compressor = _compressor_or_hint(compressor)
         self.compressor = str(self.parsed_compressor)
         both = set(strategy_options or {}) & set(options)
         if both:
             raise ValueError(f"options {sorted(both)} given both in strategy_options= and as keywords")
-        self.strategy_options: dict[str, Any] = {**(strategy_options or {}), **options}
+        given = {**(strategy_options or {}), **options}
+        clash = sorted(k for k in set(named) & set(given) if named[k] != given[k])
+        if clash:
+            raise ValueError(f"options {clash} differ between the method string and the keywords: pass them once")
+        self.strategy_options: dict[str, Any] = {**named, **given}
+        if strategy is None:
+            strategy = self.default_strategy()
         found = strategy_traits(strategy, self.strategy_options)  # unknown names: ValueError listing the valid ones
         self.strategy = strategy
         self._check_fits(found)
@@ -93,6 +151,10 @@ class ExchangeConfig:
             error_feedback = True  # its own error feedback, on by default as in torch's powerSGD_hook
         self.error_feedback = resolve_error_feedback(error_feedback, self.parsed_compressor)
         self.seed = int(seed)
+
+    def default_strategy(self) -> str:
+        """The strategy when neither the method string nor `strategy=` names one."""
+        raise NotImplementedError(f"{type(self).__name__} needs a strategy")
 
     def _check_fits(self, found: StrategyTraits) -> None:
         """Reject a strategy this entry point cannot run (here: FSDP's reduce-scatter)."""

@@ -8,8 +8,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gradwire.comm.config import accepted_options
-from gradwire.comm.registry import STRATEGIES, traits
+from gradwire.comm.config import accepted_options, split_method
+from gradwire.comm.registry import traits
 from gradwire.compress import compressor as make_compressor, resolve_error_feedback
 
 SPARSIFIERS = ("topk", "randomk", "dgc")
@@ -35,14 +35,12 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
     if spec in ("none", "dense"):
         return Method("dense", "none", "dense", {}, False)
     label = spec
-    spec, _, via = spec.partition("@")  # "topk:ratio=0.01@oktopk": this method's own strategy
-    if spec.split(":")[0] == "powersgd":
-        return _powersgd(spec, via, error_feedback)
-    c = make_compressor(spec)  # raises ValueError naming what was wrong
+    compressor, via, named = split_method(spec)  # the hooks' own spelling; raises ValueError naming what was wrong
+    if compressor == "none" and via is not None and (via == "powersgd" or named.get("inner") == "powersgd"):
+        return _powersgd(via, named, error_feedback)
+    c = make_compressor(compressor)
     canonical = str(c)
     if via:
-        if via not in STRATEGIES:
-            raise ValueError(f"unknown strategy {via!r} in {label!r}; valid: {', '.join(STRATEGIES)}")
         chosen = via
     elif strategy == "default":
         chosen = "allreduce" if c.summable else "allgather"
@@ -54,24 +52,17 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
     return Method(label, canonical, chosen, options, ef)
 
 
-def _powersgd(spec: str, via: str, error_feedback: str) -> Method:
+def _powersgd(strategy: str, options: dict[str, Any], error_feedback: str) -> Method:
     """`powersgd:rank=R` (its own all-reduce), `powersgd:rank=R@hierarchical` (between nodes), or
     `powersgd:rank=R@auto` (`auto` with low-rank candidates: dense, bf16, flat or between nodes)."""
-    options: dict[str, Any] = {}
-    for item in spec.split(":", 1)[1].split(",") if ":" in spec else []:
-        name, _, value = item.partition("=")
-        if name != "rank" or not value.isdigit():
-            raise ValueError(f"powersgd takes rank=<int>, got {item!r} in {spec!r}")
-        options["rank"] = int(value)
-    options.setdefault("rank", 1)
+    options = {"rank": 1, **options}
+    if not isinstance(options["rank"], int) or set(options) - {"rank", "inner"}:
+        raise ValueError(f"powersgd takes rank=<int> in gradwire experiment, got {options}")
     ef = error_feedback != "off"  # PowerSGD's own error feedback, on unless asked off
     label = f"powersgd:rank={options['rank']}"
-    if not via:
+    if strategy == "powersgd":
         return Method(label, "none", "powersgd", options, ef)
-    if via not in STRATEGIES or not traits(via).wraps_inner:
-        raise ValueError(f"powersgd runs on its own all-reduce, between nodes (@hierarchical) or chosen by "
-                         f"@auto, not @{via}")
-    return Method(f"{label}@{via}", "none", via, {"inner": "powersgd", **options}, ef)
+    return Method(f"{label}@{strategy}", "none", strategy, {"inner": "powersgd", **options}, ef)
 
 
 def expand_methods(items: list[str], ratios: list[float]) -> list[str]:

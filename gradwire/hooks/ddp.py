@@ -67,7 +67,7 @@ from ..compress import Compressor, Ctx
 from ..compress.schedule import ratio_of, warmup_ratio, with_ratio
 from .precondition import make_preconditioner
 from .ranks import PerRankState, own_state, where
-from .watchdog import DirectionWatch, NeverCalled
+from .watchdog import DirectionWatch, NeverCalled, ResumedWithoutState
 
 
 DEFAULT_COMPRESSOR = "topk:ratio=0.01"
@@ -92,7 +92,7 @@ class DDPConfig(ExchangeConfig):
 
     ENTRY_POINT = "gradwire hook"
 
-    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str = DEFAULT_STRATEGY, *,
+    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str | None = None, *,
                  error_feedback: bool | str = "auto", start_iter: int | None = None, seed: int = 0,
                  warmup: int = 0, warmup_ratio: float = 0.25, precondition: str | None = None,
                  strategy_options: dict[str, Any] | None = None, **options: Any) -> None:
@@ -106,12 +106,15 @@ class DDPConfig(ExchangeConfig):
         if self.warmup:
             with_ratio(self.parsed_compressor, 1.0)  # a sparsifier with ratio=, or raise
             if not self.traits.swaps_compressor:
-                raise ValueError(f"warmup works on the {', '.join(WARMUP_STRATEGIES)} strategies, not {strategy!r}")
+                raise ValueError(f"warmup works on the {', '.join(WARMUP_STRATEGIES)} strategies, not {self.strategy!r}")
         earliest = SETTLED_STEP if self.keeps_state else 0
         self.start_iter = earliest if start_iter is None else int(start_iter)
         if self.start_iter < earliest:
             raise ValueError(f"start_iter must be >= {SETTLED_STEP} when error feedback or per-bucket state is used: "
                              "DDP rebuilds its buckets after the first iteration")
+
+    def default_strategy(self) -> str:
+        return DEFAULT_STRATEGY
 
     def _own_fields(self) -> dict[str, Any]:
         return {"start_iter": self.start_iter, "warmup": self.warmup, "warmup_ratio": self.warmup_ratio,
@@ -139,7 +142,7 @@ class GradwireState(PerRankState, EntryPoint):
     the same number, kept for one release), `history` every step's, `take_stats()` the totals
     since its last call."""
 
-    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str = DEFAULT_STRATEGY,
+    def __init__(self, compressor: Compressor | str = DEFAULT_COMPRESSOR, strategy: str | None = None,
                  process_group: dist.ProcessGroup | None = None, error_feedback: bool | str = "auto",
                  start_iter: int | None = None, seed: int = 0, model: torch.nn.Module | None = None,
                  warmup: int = 0, warmup_ratio: float = 0.25, precondition: str | None = None,
@@ -164,6 +167,7 @@ class GradwireState(PerRankState, EntryPoint):
         self._param_shapes: list[torch.Size] | None = None
         self._held: list[tuple[_Bucket, torch.futures.Future | None]] = []  # buckets `clip=` holds back
         self._grad_norm: float | None = None  # this rank's gradient norm before clipping (with `clip=`)
+        self._loaded = False  # whether a saved state was loaded (a resumed run without one warns)
         self._start_watches()
         if model is not None:
             self.attach(model)
@@ -172,6 +176,7 @@ class GradwireState(PerRankState, EntryPoint):
         self._never_called = NeverCalled(self, lambda s: s.iter > 0 or bool(s._in_flight), "the gradwire DDP hook",
                                          NEVER_CALLED_CAUSES)
         self._direction = DirectionWatch(self) if self.preconditioner is not None else None
+        self._fresh = ResumedWithoutState(self, lambda s: s._loaded, "the gradwire DDP hook")
 
     def _close(self, step: int, result: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
         """The step's last bucket is done: record its statistics, and (precondition=) note what the
@@ -191,6 +196,9 @@ class GradwireState(PerRankState, EntryPoint):
         """Learn the model's parameter names: the stable keys of per-parameter state."""
         module = getattr(model, "module", model)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if named:
+            self._never_called.scope(named[0][1])
+            self._fresh.scope(named[0][1])
         self._param_names = {id(p): n for n, p in named}
         self._param_sizes = [p.numel() for _, p in named]
         self._param_shapes = [p.shape for _, p in named]
@@ -274,6 +282,7 @@ class GradwireState(PerRankState, EntryPoint):
         state = own_state(state, self.config.ENTRY_POINT)
         self.config.check_saved(state)
         check_rank(state, *where(), self.config.ENTRY_POINT)
+        self._loaded = True
         self.iter = int(state["iter"])
         if self.preconditioner is not None:
             self.preconditioner.load_state_dict(state["precondition"])
@@ -286,7 +295,7 @@ class GradwireState(PerRankState, EntryPoint):
     def __getstate__(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items()
              if k not in ("process_group", "_strategy", "_dense", "_pending_state", "_checked", "_param_names",
-                          "_in_flight", "_held", "_never_called", "_direction")}
+                          "_in_flight", "_held", "_never_called", "_direction", "_fresh")}
         d["_pending_state"] = self.state_dict()["strategy"]
         return d
 
@@ -304,6 +313,7 @@ class GradwireState(PerRankState, EntryPoint):
         self._in_flight = []
         self._held = []
         self.__dict__.setdefault("_grad_norm", None)
+        self._loaded = True  # (an unpickled state carries its own)
         self._tuned = -1
         self._start_watches()
 

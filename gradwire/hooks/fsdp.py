@@ -56,7 +56,7 @@ from ..comm.base import ExchangeStats, Segment, Strategy
 from ..comm.torch_dist import TorchDistBackend, dense_reduce_scatter
 from ..compress import Compressor, Ctx, compressor as make_compressor
 from .ranks import PerRankState, own_state, where
-from .watchdog import NeverCalled
+from .watchdog import NeverCalled, ResumedWithoutState
 
 try:  # the interface FSDP2 expects; private in torch 2.13
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
@@ -117,8 +117,11 @@ class FSDPConfig(ExchangeConfig):
                  strategy_options: dict[str, Any] | None = None, **options: Any) -> None:
         self.hsdp = bool(hsdp)
         self.min_numel = int(min_numel)
-        super().__init__(compressor, default_strategy(compressor, self.hsdp) if strategy is None else strategy,
-                         error_feedback=error_feedback, seed=seed, strategy_options=strategy_options, **options)
+        super().__init__(compressor, strategy, error_feedback=error_feedback, seed=seed,
+                         strategy_options=strategy_options, **options)
+
+    def default_strategy(self) -> str:
+        return default_strategy(self.parsed_compressor, self.hsdp)
 
     def _check_fits(self, found: StrategyTraits) -> None:
         if not self.hsdp and not found.reduce_scatter:
@@ -175,7 +178,9 @@ class FSDPGradwireState(PerRankState, EntryPoint):
         self._pending: dict[str, Any] | None = None
         self._checked = False
         self._ran = False  # (a loaded state's calls count earlier steps; this counts this process's)
-        self._never_called = NeverCalled(self, lambda s: s._ran, "the gradwire FSDP hook", NEVER_CALLED_CAUSES)
+        self._loaded = False  # whether a saved state was loaded (a resumed run without one warns)
+        self._fresh = ResumedWithoutState(self, lambda s: s._loaded, "the gradwire FSDP hook")
+        self._never_called: NeverCalled | None = NeverCalled(self, lambda s: s._ran, "the gradwire FSDP hook", NEVER_CALLED_CAUSES)
         if self.hsdp:  # built now, as before: building checks the options' values (e.g. PowerSGD's rank)
             self._strategy = self.config.build_strategy(TorchDistBackend(self.replicate_group))
 
@@ -303,6 +308,7 @@ class FSDPGradwireState(PerRankState, EntryPoint):
         state = own_state(state, self.config.ENTRY_POINT)
         self.config.check_saved(state, self.fingerprint())  # (its fingerprint covers the layout too)
         check_rank(state, *where(), self.config.ENTRY_POINT)
+        self._loaded = True
         for name, calls in state["calls"].items():
             self.units[name].calls = int(calls)
         if state["strategy"] is not None:
@@ -356,9 +362,11 @@ class _CompressedReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-t
 
 
 def _units(model: torch.nn.Module) -> list[tuple[FSDPModule, Any, _Unit]]:
-    """Every FSDP module that owns parameters, its parameter group and that group's unit."""
+    """Every FSDP parameter group with trainable parameters, the module that owns it and its unit.
+    `fully_shard([norm, lm_head])` gives several modules one group: it is one unit, named after
+    them all, and its hooks go on the first (FSDP calls one reduce-scatter per group)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    out = []
+    owners: dict[int, tuple[FSDPModule, Any, list[str]]] = {}  # id(group) -> (first module, group, module names)
     for fqn, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -367,12 +375,15 @@ def _units(model: torch.nn.Module) -> list[tuple[FSDPModule, Any, _Unit]]:
             raise ValueError(f"FSDP module {fqn!r} has several parameter groups (shard_placement_fn with "
                              "several meshes); gradwire needs one per module")
         for group in groups:
-            params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
-            if not params:
-                continue
-            keys = [names[id(fp.sharded_param)] for fp in params]
-            shapes = [torch.Size(fp.padded_sharded_param_size) for fp in params]
-            out.append((module, group, _Unit(fqn or "<root>", keys, shapes, group.mesh_info.shard_process_group)))
+            owners.setdefault(id(group), (module, group, []))[2].append(fqn or "<root>")
+    out = []
+    for module, group, fqns in owners.values():
+        params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        if not params:
+            continue
+        keys = [names[id(fp.sharded_param)] for fp in params]
+        shapes = [torch.Size(fp.padded_sharded_param_size) for fp in params]
+        out.append((module, group, _Unit("+".join(fqns), keys, shapes, group.mesh_info.shard_process_group)))
     if not out:
         raise ValueError("the model has no FSDP2 module with trainable parameters: apply fully_shard first")
     return out
@@ -391,12 +402,19 @@ def register(model: torch.nn.Module, compressor: Compressor | str = DEFAULT_COMP
     elif options:
         raise ValueError("pass either an existing state or options for a new one, not both")
     units = _units(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if trainable:
+        state._fresh.scope(trainable[0])
+        if state._never_called is not None:
+            state._never_called.scope(trainable[0])
     across = state.replicate_group if state.hsdp else units[0][2].shard_group
     if across is not None and across.size() == 1:
+        state._never_called = None  # (said now, with the cause: the watchdog would only repeat it)
         warnings.warn(f"gradwire FSDP hook: the {'replicate' if state.hsdp else 'shard'} group has one rank, so "
                       "there is no gradient exchange to compress and the hook will not be called (data-parallel "
-                      "size 1); give the mesh's data-parallel dimension more than one rank", RuntimeWarning,
-                      stacklevel=2)
+                      "size 1). Give data parallelism more than one rank, e.g. Lightning's "
+                      "ModelParallelStrategy(data_parallel_size=N) with fully_shard(..., "
+                      "mesh=device_mesh['data_parallel'])", RuntimeWarning, stacklevel=2)
     for module, group, unit in units:
         state.units[unit.name] = unit
         if state.hsdp:

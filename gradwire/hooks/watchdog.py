@@ -6,7 +6,8 @@ Both listen to every optimizer's steps through torch's global optimizer step hoo
 training (a plain loop, Lightning, Accelerate, the Trainer) without touching the framework. One pair
 of global hooks serves every watch (torch iterates its hooks while calling them, so a watch cannot
 remove its own); watches hold the hook state weakly and retire once they have warned, or once the
-state is gone.
+state is gone. Parameters are held strongly, never weakly: a weak reference on a parameter makes
+`torch.utils.swap_tensors` (FSDP2, `module.to_empty`) refuse it.
 """
 
 from __future__ import annotations
@@ -42,15 +43,35 @@ def _each(event: str, optimizer: torch.optim.Optimizer) -> None:
 SILENT_STEPS = 3
 
 
+def _holds(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    return any(p is param for g in optimizer.param_groups for p in g["params"])
+
+
 class NeverCalled:
     """Warn once when `ran(state)` is still False after `SILENT_STEPS` optimizer steps taken since
-    the state was created: a hook that was registered (or handed to a framework) but never runs."""
+    the state was created: a hook that was registered (or handed to a framework) but never runs.
+    Once the hook knows its model (`scope`), only steps of optimizers that hold the model's
+    parameters count, so a state left over from a failed run does not blame the next one."""
 
     def __init__(self, state: Any, ran: Callable[[Any], bool], what: str, causes: str) -> None:
         self._state = weakref.ref(state)
         self._ran, self._what, self._causes = ran, what, causes
         self.steps = 0
+        self._param: torch.Tensor | None = None
+        self._counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         _watch(self)
+
+    def scope(self, param: torch.Tensor) -> None:
+        """Count only the steps of optimizers that hold `param` (one of the hooked model's)."""
+        self._param = param
+        self._counts = weakref.WeakKeyDictionary()
+
+    def _counted(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self._param is None:
+            return True
+        if optimizer not in self._counts:
+            self._counts[optimizer] = _holds(optimizer, self._param)
+        return self._counts[optimizer]
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> bool:
         return False
@@ -60,6 +81,8 @@ class NeverCalled:
         state = self._state()
         if state is None or self._ran(state):
             return True
+        if not self._counted(optimizer):
+            return False
         self.steps += 1
         if self.steps < SILENT_STEPS:
             return False
@@ -76,18 +99,18 @@ class DirectionWatch:
 
     def __init__(self, state: Any) -> None:
         self._state = weakref.ref(state)
-        self.param: weakref.ref[torch.Tensor] | None = None
+        self.param: torch.Tensor | None = None
         self.sent_norm: float | None = None
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         _watch(self)
 
     def expect(self, param: torch.Tensor, sent: torch.Tensor) -> None:
         """The hook sent `sent` as `param`'s averaged direction this step."""
-        self.param, self.sent_norm = weakref.ref(param), float(torch.linalg.vector_norm(sent))
+        self.param, self.sent_norm = param, float(torch.linalg.vector_norm(sent))
 
     def _holds(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
         if optimizer not in self._optimizers:
-            self._optimizers[optimizer] = any(p is param for g in optimizer.param_groups for p in g["params"])
+            self._optimizers[optimizer] = _holds(optimizer, param)
         return self._optimizers[optimizer]
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -97,7 +120,7 @@ class DirectionWatch:
         """Compare the watched gradient with what the hook sent; True once this watch is done."""
         if self._state() is None:
             return True
-        param = self.param() if self.param is not None else None
+        param = self.param
         if param is None or param.grad is None or not self.sent_norm or not self._holds(optimizer, param):
             return False
         ratio = float(torch.linalg.vector_norm(param.grad)) / self.sent_norm
@@ -112,4 +135,41 @@ class DirectionWatch:
             "off (your loop: drop clip_grad_norm_; Hugging Face Trainer: max_grad_norm=0, or use "
             "gradwire.integrations.hf_trainer, which moves it; Lightning: gradient_clip_val=None)",
             RuntimeWarning, stacklevel=2)
+        return True
+
+
+class ResumedWithoutState:
+    """At the first optimizer step of the hooked model: if the optimizer already has state (its
+    own checkpoint was loaded) while the hook's was not, warn once that the hook restarts from zero
+    (residuals, warm-up position, `precondition`'s moments) and how to keep it."""
+
+    def __init__(self, state: Any, loaded: Callable[[Any], bool], what: str) -> None:
+        self._state = weakref.ref(state)
+        self._loaded, self._what = loaded, what
+        self._param: torch.Tensor | None = None
+        _watch(self)
+
+    def scope(self, param: torch.Tensor) -> None:
+        self._param = param
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        return False
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True (done) at the first step of an optimizer holding the watched parameter."""
+        state, param = self._state(), self._param
+        if state is None:
+            return True
+        if param is None or not _holds(optimizer, param):
+            return False
+        saved = optimizer.state.get(param)
+        if saved and not self._loaded(state):
+            step = saved.get("step")
+            at = f" (at step {int(step)})" if step is not None else ""
+            warnings.warn(f"{self._what}: the optimizer resumes from a checkpoint{at}, but the hook's own state was "
+                          "not loaded, so it restarts from zero: error-feedback residuals, the warm-up and dense "
+                          "first steps, precondition's Adam moments. Keep it with your checkpoint: "
+                          "ckpt['gradwire'] = state.state_dict() when saving (each rank, or "
+                          "state.all_ranks_state_dict() for one file), state.load_state_dict(ckpt['gradwire']) "
+                          "after registering on resume", RuntimeWarning, stacklevel=2)
         return True

@@ -14,8 +14,10 @@ from torch import nn
 from gradwire.comm.api import ExchangerConfig, GradientExchanger
 from gradwire.comm.config import ExchangeConfig
 from gradwire.comm.base import ExchangeStats
+from gradwire.experiments.config import parse_method
 from gradwire.hooks import ddp as gw_ddp
 from gradwire.hooks import fsdp as gw_fsdp
+from gradwire.hooks.fsdp import FSDPConfig
 from multiproc import run_ranks
 
 # Fingerprints computed by the entry points before the config object existed: saved states
@@ -266,9 +268,33 @@ def test_register_names_what_to_wrap_when_the_model_is_not_ddp() -> None:
         gw_ddp.register(nn.Linear(2, 2), "topk:ratio=0.5")
 
 
-def test_a_strategy_given_as_the_compressor_says_how_to_spell_it() -> None:
-    with pytest.raises(ValueError, match=r"unknown compressor 'powersgd'.*'powersgd' is a strategy.*"
-                                         r"compressor=\"none\", strategy='powersgd', rank=8"):
-        gw_ddp.GradwireState("powersgd:rank=8")
-    with pytest.raises(ValueError, match=r"unknown compressor 'bogus'; valid names"):  # no hint for others
+def test_one_method_string_means_the_same_at_every_entry_point() -> None:
+    """"powersgd:rank=8" and "topk:ratio=0.01@allgather" are what `gradwire experiment` takes; the hooks
+    and GradientExchanger take the same strings, equal to the keyword form (fingerprints included)."""
+    as_string, as_keywords = gw_ddp.GradwireState("powersgd:rank=8"), gw_ddp.GradwireState("none", "powersgd", rank=8)
+    assert as_string.get_config() == as_keywords.get_config() and as_string.fingerprint() == as_keywords.fingerprint()
+    assert as_string.get_config()["strategy_options"] == {"rank": 8}
+    assert ExchangerConfig("topk:ratio=0.01@allgather") == ExchangerConfig("topk:ratio=0.01", "allgather")
+    auto = gw_ddp.GradwireState("powersgd:rank=8@auto")
+    assert (auto.strategy_name, auto.strategy_options) == ("auto", {"inner": "powersgd", "rank": 8})
+    assert FSDPConfig("powersgd:rank=4", hsdp=True).strategy == "powersgd"
+    assert FSDPConfig("int8@alltoall") == FSDPConfig("int8")
+    method = parse_method("powersgd:rank=8@auto")
+    assert (method.compressor, method.strategy, method.options) == ("none", "auto", {"inner": "powersgd", "rank": 8})
+
+
+def test_a_method_string_that_contradicts_the_keywords_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"names strategy 'allgather', and strategy='oktopk' was given"):
+        gw_ddp.GradwireState("topk:ratio=0.01@allgather", strategy="oktopk")
+    with pytest.raises(ValueError, match=r"options \['rank'\] differ between the method string and the keywords"):
+        gw_ddp.GradwireState("powersgd:rank=8", rank=4)
+    with pytest.raises(ValueError, match=r"strategy 'powersgd' takes .*rank.*got \['rnk'\]"):
+        gw_ddp.GradwireState("powersgd:rnk=8")
+    with pytest.raises(ValueError, match=r"unknown strategy 'bogus' in 'topk:ratio=0.1@bogus'; valid: "):
+        gw_ddp.GradwireState("topk:ratio=0.1@bogus")
+    with pytest.raises(ValueError, match=r"powersgd runs on its own .* not @allgather"):
+        gw_ddp.GradwireState("powersgd:rank=2@allgather")
+    with pytest.raises(ValueError, match=r"FSDP's reduce-scatter is compressed by the 'alltoall' exchange only"):
+        FSDPConfig("powersgd:rank=4")
+    with pytest.raises(ValueError, match=r"unknown compressor 'bogus'; valid names"):
         ExchangeConfig("bogus", "allgather")

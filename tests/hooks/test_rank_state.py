@@ -215,3 +215,54 @@ def test_auto_says_once_when_it_does_not_compress(results):
             assert "To compress anyway pass strategy=" in auto["warnings"][0]
         else:  # (a busy host may time compression faster: then nothing to say)
             assert auto["warnings"] == []
+
+
+def test_only_the_hooked_models_optimizer_steps_count_once_the_model_is_known():
+    hooked, other = make_model(), make_model()
+    state = gw_ddp.GradwireState(SPEC, model=hooked, **OPTIONS)  # (as register() attaches it)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other_opt = torch.optim.SGD(other.parameters(), lr=0.01)
+        for i in range(watchdog.SILENT_STEPS + 2):  # another model trains: not this hook's business
+            step(other, other_opt, 0, i)
+        quiet = [w for w in caught if "has not been called" in str(w.message)]
+        hooked_opt = torch.optim.SGD(hooked.parameters(), lr=0.01)
+        for i in range(watchdog.SILENT_STEPS):
+            step(hooked, hooked_opt, 0, i)
+    assert quiet == []
+    assert len([w for w in caught if "has not been called" in str(w.message)]) == 1
+    assert state.iter == 0
+
+
+def test_a_resumed_optimizer_with_a_fresh_hook_warns_at_the_first_step():
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step(model, opt, 0, 0)
+    saved_opt = opt.state_dict()
+
+    def resume(load_hook: bool) -> list[str]:
+        again = make_model()
+        again_opt = torch.optim.AdamW(again.parameters(), lr=1e-3)
+        again_opt.load_state_dict(saved_opt)
+        state = gw_ddp.GradwireState(SPEC, model=again, **OPTIONS)
+        if load_hook:
+            state.load_state_dict(gw_ddp.GradwireState(SPEC, **OPTIONS).state_dict())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(2):
+                step(again, again_opt, 0, i)
+        return [str(w.message) for w in caught if "resumes from a checkpoint" in str(w.message)]
+
+    fresh = resume(load_hook=False)
+    assert len(fresh) == 1 and "(at step 1)" in fresh[0] and "state.load_state_dict(ckpt['gradwire'])" in fresh[0]
+    assert resume(load_hook=True) == []
+
+
+def test_watched_parameters_can_still_be_swapped():
+    """FSDP2 and module.to_empty swap parameters' contents (`torch.utils.swap_tensors`), which a weak
+    reference on a parameter would forbid: the watches hold them strongly."""
+    model = make_model()
+    gw_ddp.GradwireState(SPEC, model=model, precondition="adam", **OPTIONS)
+    first = next(model.parameters())
+    torch.utils.swap_tensors(first, torch.nn.Parameter(torch.zeros_like(first)))
+    assert torch.count_nonzero(first) == 0
