@@ -68,6 +68,29 @@ class AdamPreconditioner:
         self.m, self.v, self.steps = dict(state["m"]), dict(state["v"]), dict(state["steps"])
 
 
+def sgd_like(optimizer: torch.optim.Optimizer) -> torch.optim.SGD:
+    """The optimizer `precondition="adam"` needs in place of the user's Adam/AdamW: plain SGD (no
+    momentum) over the same parameter groups, learning rates and weight decay. SGD's weight decay
+    on Adam's direction, ``p -= lr * (d + wd * p)``, is exactly AdamW's decoupled decay. Build LR
+    schedulers on the returned optimizer."""
+    groups = [{"params": g["params"], "lr": g["lr"], "weight_decay": g.get("weight_decay", 0.0)}
+              for g in optimizer.param_groups]
+    return torch.optim.SGD(groups, lr=optimizer.defaults.get("lr", groups[0]["lr"]), momentum=0.0)
+
+
+def adam_spec(optimizer: torch.optim.Optimizer, clip: float | None = None) -> str:
+    """`precondition=` matching an Adam/AdamW optimizer's betas and eps (and `clip=`, the largest
+    gradient norm, where the user clipped with clip_grad_norm_)."""
+    beta1, beta2 = optimizer.defaults.get("betas", (0.9, 0.999))
+    spec = f"adam:beta1={beta1:g},beta2={beta2:g},eps={optimizer.defaults.get('eps', 1e-8):g}"
+    return spec + (f",clip={clip:g}" if clip is not None else "")
+
+
+def plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` applies the gradient as it is (SGD without momentum or Nesterov)."""
+    return type(optimizer) is torch.optim.SGD and all(not g.get("momentum") for g in optimizer.param_groups)
+
+
 def make_preconditioner(spec: str | None) -> AdamPreconditioner | None:
     """None or "" (off), "adam", or "adam:beta1=0.9,beta2=0.999,eps=1e-8,clip=1.0" (clip: none by default)."""
     if not spec:

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .precondition import plain_sgd
+
 log = logging.getLogger("gradwire")
 _WATCHES: "weakref.WeakSet[NeverCalled | DirectionWatch]" = weakref.WeakSet()
 _installed = False
@@ -111,7 +113,21 @@ class DirectionWatch:
     def _holds(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
         if optimizer not in self._optimizers:
             self._optimizers[optimizer] = _holds(optimizer, param)
+            if self._optimizers[optimizer] and not plain_sgd(optimizer):
+                self._wrong_optimizer(optimizer)
         return self._optimizers[optimizer]
+
+    @staticmethod
+    def _wrong_optimizer(optimizer: torch.optim.Optimizer) -> None:
+        """Once per optimizer: Adam applied twice, or momentum on top of Adam's direction."""
+        name = type(optimizer).__name__
+        warnings.warn(
+            f"gradwire: precondition='adam' applies Adam in the hook, and the optimizer is {name}"
+            + (" with momentum" if name == "SGD" else "") + ", so the step is not Adam's. Use plain SGD over the "
+            "same parameter groups: opt = gradwire.hooks.precondition.sgd_like(opt) (same lr and weight decay: "
+            "SGD's decay on Adam's direction is AdamW's decoupled decay; build LR schedulers on it), and give the "
+            "hook Adam's betas: precondition=gradwire.hooks.precondition.adam_spec(old_opt, clip=1.0)",
+            RuntimeWarning, stacklevel=3)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> bool:
         return False

@@ -109,8 +109,11 @@ def _scenarios(rank: int, world: int, path: str) -> dict:
             out["marker_loads"] = str(e)
 
     # 4. precondition="adam": clipping Adam's direction warns; clip= in the hook clips the true gradient
-    for name, hook_spec, user_clip in (("clipped_direction", "adam", 1.0), ("clip_in_hook", "adam:clip=0.05", None)):
+    for name, hook_spec, user_clip in (("clipped_direction", "adam", 1.0), ("clip_in_hook", "adam:clip=0.05", None),
+                                       ("adamw_kept", "adam", None)):
         m, o = fresh(rank)
+        if name == "adamw_kept":
+            o = torch.optim.AdamW(m.parameters(), lr=1e-3)
         s = gw_ddp.register(m, SPEC, precondition=hook_spec, **OPTIONS)
         local = make_model()  # this rank's gradient, unaveraged, to check the norm the hook reports
         with warnings.catch_warnings(record=True) as caught:
@@ -123,6 +126,7 @@ def _scenarios(rank: int, world: int, path: str) -> dict:
                 true_norm = float(torch.nn.utils.clip_grad_norm_(local.parameters(), float("inf")))
                 step(m, o, rank, i, clip=user_clip)
         out[name] = {"warnings": [str(w.message) for w in caught if "precondition" in str(w.message)],
+                     "grads_applied": [str(w.message) for w in caught if "sgd_like" in str(w.message)],
                      "grad_norm": s.last_stats.get("grad_norm"), "true_norm": true_norm,
                      "finite": all(torch.isfinite(p).all() for p in m.parameters())}
 
@@ -173,7 +177,10 @@ def test_a_called_hook_does_not_warn(results):
 def test_clipping_adams_direction_warns_and_clip_in_the_hook_clips_the_true_gradient(results):
     for r in results:
         warned = r["clipped_direction"]["warnings"]
-        assert len(warned) == 1 and "precondition='adam:clip=1.0'" in warned[0]
+        assert len(warned) == 1 and "precondition='adam:clip=1.0'" in warned[0], warned
+        assert r["clipped_direction"]["grads_applied"] == []
+        kept = r["adamw_kept"]["grads_applied"]
+        assert len(kept) == 1 and "the optimizer is AdamW" in kept[0] and "adam_spec(old_opt" in kept[0]
         hooked = r["clip_in_hook"]
         assert hooked["warnings"] == [] and hooked["finite"]
         assert hooked["grad_norm"] == pytest.approx(hooked["true_norm"], rel=1e-5)
@@ -266,3 +273,26 @@ def test_watched_parameters_can_still_be_swapped():
     first = next(model.parameters())
     torch.utils.swap_tensors(first, torch.nn.Parameter(torch.zeros_like(first)))
     assert torch.count_nonzero(first) == 0
+
+
+def test_sgd_like_keeps_the_users_groups_and_adamws_decoupled_decay():
+    """SGD's weight decay on Adam's direction is AdamW's decoupled decay: one step of each from the
+    same point with the same direction lands on the same parameters."""
+    from gradwire.hooks.precondition import adam_spec, sgd_like
+
+    model = make_model()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                              lr=3e-3, betas=(0.9, 0.95))
+    sgd = sgd_like(adamw)
+    assert [(g["lr"], g["weight_decay"], g["momentum"]) for g in sgd.param_groups] == [(3e-3, 0.1, 0.0), (3e-3, 0.0, 0.0)]
+    assert adam_spec(adamw, clip=1.0) == "adam:beta1=0.9,beta2=0.95,eps=1e-08,clip=1"
+    direction = [torch.randn_like(p) for p in model.parameters()]
+    start = [p.detach().clone() for p in model.parameters()]
+    for p, d in zip(model.parameters(), direction):
+        p.grad = d.clone()
+    sgd.step()
+    by_sgd = [p.detach().clone() for p in model.parameters()]
+    expected = [(s * (1 - 3e-3 * (0.1 if s.dim() >= 2 else 0.0))) - 3e-3 * d for s, d in zip(start, direction)]
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(by_sgd, expected))
