@@ -36,6 +36,8 @@ case "$where" in
   *) echo "check-wheel: the venv imported gradwire from $where, not from the installed wheel" >&2; exit 1 ;;
 esac
 "$work/venv/bin/gradwire" list >/dev/null
+# the framework adapters ship in the wheel and import from it (CI installs every framework)
+"$venv_py" -c 'import gradwire.integrations.lightning, gradwire.integrations.accelerate, gradwire.integrations.hf_trainer, gradwire.integrations.torchtitan as t; assert "/venv/" in t.__file__, t.__file__'
 "$work/venv/bin/gradwire" experiment --methods none,topk --ratios 0.01 --worlds 2 --steps 20 --eval-every 10 \
   --no-progress --out smoke/out
 for f in report.md runs.csv steps.csv accuracy_vs_bytes.png accuracy_vs_time.png; do
