@@ -45,6 +45,11 @@ def _each(event: str, optimizer: torch.optim.Optimizer) -> None:
 SILENT_STEPS = 3
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+
+
 def _holds(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
     return any(p is param for g in optimizer.param_groups for p in g["params"])
 
@@ -83,8 +88,8 @@ class NeverCalled:
         state = self._state()
         if state is None or self._ran(state):
             return True
-        if not self._counted(optimizer):
-            return False
+        if not self._counted(optimizer) or not _distributed():
+            return False  # (one process: no exchange to skip; the adapters say so themselves)
         self.steps += 1
         if self.steps < SILENT_STEPS:
             return False

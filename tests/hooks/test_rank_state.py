@@ -186,17 +186,40 @@ def test_clipping_adams_direction_warns_and_clip_in_the_hook_clips_the_true_grad
         assert hooked["grad_norm"] == pytest.approx(hooked["true_norm"], rel=1e-5)
 
 
-def test_a_hook_that_is_never_called_warns_once():
+def _never_called(rank: int, world: int) -> dict:
+    """(2 ranks: with one process there is no exchange to miss, and the watchdog stays quiet)"""
+    out = {}
     state = gw_ddp.GradwireState(SPEC, **OPTIONS)  # handed to nothing, as Lightning does on CPU
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(watchdog.SILENT_STEPS + 3):
-            step(model, opt, 0, i)
-    found = [str(w.message) for w in caught if "has not been called" in str(w.message)]
-    assert len(found) == 1 and "Lightning's DDPStrategy" in found[0]
-    assert state.iter == 0
+            step(model, opt, rank, i)
+    out["unattached"] = [str(w.message) for w in caught if "has not been called" in str(w.message)]
+    out["unattached_iter"] = state.iter
+    del state
+    hooked, other = make_model(), make_model()
+    scoped = gw_ddp.GradwireState(SPEC, model=hooked, **OPTIONS)  # (as register() attaches it)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other_opt = torch.optim.SGD(other.parameters(), lr=0.01)
+        for i in range(watchdog.SILENT_STEPS + 2):  # another model trains: not this hook's business
+            step(other, other_opt, rank, i)
+        out["quiet"] = [str(w.message) for w in caught if "has not been called" in str(w.message)]
+        hooked_opt = torch.optim.SGD(hooked.parameters(), lr=0.01)
+        for i in range(watchdog.SILENT_STEPS):
+            step(hooked, hooked_opt, rank, i)
+    out["scoped"] = [str(w.message) for w in caught if "has not been called" in str(w.message)]
+    out["scoped_iter"] = scoped.iter
+    return out
+
+
+def test_a_hook_that_is_never_called_warns_once_and_only_for_its_models_steps():
+    for r in run_ranks(_never_called, 2):
+        assert len(r["unattached"]) == 1 and "Lightning's DDPStrategy" in r["unattached"][0]
+        assert r["quiet"] == [] and len(r["scoped"]) == 1
+        assert r["unattached_iter"] == r["scoped_iter"] == 0
 
 
 def test_an_all_ranks_state_from_another_world_size_is_refused():
@@ -222,23 +245,6 @@ def test_auto_says_once_when_it_does_not_compress(results):
             assert "To compress anyway pass strategy=" in auto["warnings"][0]
         else:  # (a busy host may time compression faster: then nothing to say)
             assert auto["warnings"] == []
-
-
-def test_only_the_hooked_models_optimizer_steps_count_once_the_model_is_known():
-    hooked, other = make_model(), make_model()
-    state = gw_ddp.GradwireState(SPEC, model=hooked, **OPTIONS)  # (as register() attaches it)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        other_opt = torch.optim.SGD(other.parameters(), lr=0.01)
-        for i in range(watchdog.SILENT_STEPS + 2):  # another model trains: not this hook's business
-            step(other, other_opt, 0, i)
-        quiet = [w for w in caught if "has not been called" in str(w.message)]
-        hooked_opt = torch.optim.SGD(hooked.parameters(), lr=0.01)
-        for i in range(watchdog.SILENT_STEPS):
-            step(hooked, hooked_opt, 0, i)
-    assert quiet == []
-    assert len([w for w in caught if "has not been called" in str(w.message)]) == 1
-    assert state.iter == 0
 
 
 def test_a_resumed_optimizer_with_a_fresh_hook_warns_at_the_first_step():

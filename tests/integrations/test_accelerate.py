@@ -21,7 +21,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-pytest.importorskip("accelerate")
+from frameworks import require  # noqa: E402
+
+require("accelerate", extra="accelerate")
 
 from multiproc import run_ranks  # noqa: E402  (tests/support, on sys.path from conftest)
 
