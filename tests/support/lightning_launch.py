@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue as queue_module
 import socket
-import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from multiproc import collect
 
 
 def free_port() -> int:
@@ -51,38 +51,4 @@ def run_lightning_ranks(fn: Callable, world: int, *args: Any, timeout: float = 1
     procs = [ctx.Process(target=_child, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    failed_at = 0.0
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) + len(errors) < world:
-            try:
-                rank, ok, value = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                now = time.monotonic()
-                if errors and now > failed_at + 20:
-                    break  # a failed rank explains the hang of its peers
-                if all(not p.is_alive() for p in procs):
-                    silent = [r for r in range(world) if r not in results]
-                    errors.append(f"ranks {silent} exited without reporting "
-                                  f"(exit codes {[procs[r].exitcode for r in silent]})")
-                    break
-                if now > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
-                                       f"within {timeout:.0f} s") from None
-                continue
-            if ok:
-                results[rank] = pickle.loads(value)
-            else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                failed_at = time.monotonic()
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return collect(procs, queue, world, timeout)

@@ -50,39 +50,45 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0,
                  for r in range(world)]
         for p in procs:
             p.start()
-        results: dict[int, Any] = {}
-        errors: list[str] = []
-        failed_at = 0.0
-        deadline = time.monotonic() + timeout
-        try:
-            while len(results) + len(errors) < world:
-                if may_die and all(r in results for r in range(world) if r not in may_die):
-                    break  # the ranks that were to survive have reported
-                try:
-                    rank, ok, value = queue.get(timeout=1.0)
-                except queue_module.Empty:
-                    now = time.monotonic()
-                    if errors and now > failed_at + 20:
-                        break  # a failed rank explains the hang of its peers
-                    if all(not p.is_alive() for r, p in enumerate(procs) if r not in may_die):
-                        silent = [r for r in range(world) if r not in results and r not in may_die]
-                        errors.append(f"ranks {silent} exited without reporting "
-                                      f"(exit codes {[procs[r].exitcode for r in silent]})")
-                        break
-                    if now > deadline:
-                        raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
-                                           f"within {timeout:.0f} s") from None
-                    continue
-                if ok:
-                    results[rank] = pickle.loads(value)
-                else:
-                    errors.append(f"rank {rank} failed:\n{value}")
-                    failed_at = time.monotonic()
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-        if errors:
-            raise AssertionError("\n".join(errors))
-        return [results.get(r) for r in range(world)]
+        return collect(procs, queue, world, timeout, may_die)
+
+
+def collect(procs: list, queue: Any, world: int, timeout: float, may_die: tuple[int, ...] = ()) -> list[Any]:
+    """Wait for the started ranks' results (rank order); a failing rank fails the caller with its
+    traceback, silence past `timeout` raises TimeoutError; every child is killed on the way out."""
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    failed_at = 0.0
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            if may_die and all(r in results for r in range(world) if r not in may_die):
+                break  # the ranks that were to survive have reported
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                now = time.monotonic()
+                if errors and now > failed_at + 20:
+                    break  # a failed rank explains the hang of its peers
+                if all(not p.is_alive() for r, p in enumerate(procs) if r not in may_die):
+                    silent = [r for r in range(world) if r not in results and r not in may_die]
+                    errors.append(f"ranks {silent} exited without reporting "
+                                  f"(exit codes {[procs[r].exitcode for r in silent]})")
+                    break
+                if now > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
+                                       f"within {timeout:.0f} s") from None
+                continue
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                failed_at = time.monotonic()
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results.get(r) for r in range(world)]
