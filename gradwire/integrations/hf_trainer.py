@@ -213,9 +213,10 @@ def _savers(args: TrainingArguments) -> list[int]:
     """The ranks the Trainer writes checkpoints from (rank 0, or each node's first with save_on_each_node)."""
     if not args.save_on_each_node:
         return [0]
-    flags: list[bool] = [False] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(args.should_save))
-    return [r for r, saves in enumerate(flags) if saves]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flags = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([int(bool(args.should_save))], dtype=torch.int32, device=device))
+    return [r for r, saves in enumerate(flags) if int(saves)]  # (ints, not pickled objects: nothing a peer sends is unpickled)
 
 
 def _weights(model: torch.nn.Module) -> torch.Tensor:
