@@ -380,14 +380,20 @@ def _clip_then_exchange(state: GradwireState, b: _Bucket) -> torch.futures.Futur
     norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(h.buffer) for h, _ in held])))
     scale = state.preconditioner.clip_scale(norm, state.preconditioner.clip)
     state._grad_norm = norm
-    for h, waiting in held:
-        if scale < 1.0:
-            h.buffer.mul_(scale)
-        _precondition(state, h)
-        result = _exchange(state, h)
-        if waiting is None:
-            return result
-        result.add_done_callback(partial(_relay, waiting))
+    try:
+        for h, waiting in held:
+            if scale < 1.0:
+                h.buffer.mul_(scale)
+            _precondition(state, h)
+            result = _exchange(state, h)
+            if waiting is None:
+                return result
+            result.add_done_callback(partial(_relay, waiting))
+    except Exception as e:  # the held buckets not sent yet fail with it, instead of waiting for ever
+        for _, waiting in held:
+            if waiting is not None and not waiting.done():
+                waiting.set_exception(e)
+        raise
     raise AssertionError("unreachable: the last bucket returns")
 
 

@@ -16,6 +16,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from ..errors import WireFormatError
+
 ALL_RANKS = "gradwire-all-ranks"
 VERSION = 1
 
@@ -41,6 +43,22 @@ def _from_bytes(blob: torch.Tensor) -> dict[str, Any]:
     return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
 
 
+def _device() -> torch.device:
+    """Where the default group's collectives take their tensors (NCCL: the current GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def ranks_with(flag: bool) -> list[int]:
+    """Collective over the default group: the ranks whose `flag` is true (e.g. the ones a framework
+    writes checkpoints from). Plain ints travel, nothing pickled."""
+    device = _device()
+    flags = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([int(bool(flag))], dtype=torch.int32, device=device))
+    return [r for r, f in enumerate(flags) if int(f)]
+
+
 def gather_states(local: Mapping[str, Any], dst: int = 0) -> dict[str, Any]:
     """Collective over the default group: every rank must call it. Returns, on `dst`, every rank's
     state in rank order; on the other ranks a marker that holds none (their framework does not
@@ -48,17 +66,24 @@ def gather_states(local: Mapping[str, Any], dst: int = 0) -> dict[str, Any]:
     rank, world = where()
     if world == 1:
         return {"format": ALL_RANKS, "version": VERSION, "world_size": 1, "ranks": [dict(local)]}
-    blob = _to_bytes(local)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([blob.numel()], dtype=torch.int64))
-    longest = int(max(int(s) for s in sizes))
+    blob, device = _to_bytes(local), _device()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([blob.numel()], dtype=torch.int64, device=device))
+    lengths = [int(s) for s in sizes]
+    # every rank's state has the same shapes (same config, same model): a size far above the smallest is
+    # a lie; every rank sees the same sizes, so all decide alike and refuse before allocating anything
+    limit = 2 * min(lengths) + (1 << 20)
+    if max(lengths) > limit or min(lengths) < 0:
+        raise WireFormatError(f"gather_states: ranks announced states of {lengths} bytes; one more than twice the "
+                              "smallest (+1 MiB) cannot be a state of the same config and model")
+    longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: blob.numel()] = blob
-    received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)] if rank == dst else None
-    dist.gather(padded, received, dst=dst)
+    received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)] if rank == dst else None
+    dist.gather(padded.to(device), received, dst=dst)
     if received is None:
         return {"format": ALL_RANKS, "version": VERSION, "world_size": world, "ranks": None, "held_by": dst}
-    states = [_from_bytes(r[: int(s)]) for r, s in zip(received, sizes)]
+    states = [_from_bytes(r[:n].cpu()) for r, n in zip(received, lengths)]
     return {"format": ALL_RANKS, "version": VERSION, "world_size": world, "ranks": states}
 
 
@@ -77,6 +102,8 @@ def own_state(saved: Mapping[str, Any], entry_point: str = "gradwire hook") -> d
     if saved["ranks"] is None:
         raise ValueError(f"this all-ranks {entry_point} state is the empty marker of a rank that did not save; "
                          f"load the one rank {saved.get('held_by', 0)} saved")
+    if len(saved["ranks"]) != world:
+        raise ValueError(f"this all-ranks {entry_point} state says {world} ranks but holds {len(saved['ranks'])}")
     return dict(saved["ranks"][rank])
 
 

@@ -38,7 +38,6 @@ import warnings
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 try:
@@ -51,6 +50,7 @@ except ImportError as exc:  # an optional extra
 from ..compress import Compressor
 from ..hooks import ddp as ddp_hooks
 from ..hooks.ddp import DEFAULT_COMPRESSOR, GradwireState
+from ..hooks.ranks import ranks_with
 
 __all__ = ["AllRanksCheckpoint", "PerRankFiles", "register"]
 
@@ -68,10 +68,7 @@ class AllRanksCheckpoint:
         """Global ranks whose copy Accelerate writes: the main process, or each node's first."""
         if not self.accelerator.project_configuration.save_on_each_node:
             return [0]
-        first = torch.tensor([int(self.accelerator.is_local_main_process)])
-        flags = [torch.zeros_like(first) for _ in range(dist.get_world_size())]
-        dist.all_gather(flags, first)
-        return [r for r, flag in enumerate(flags) if int(flag)]
+        return ranks_with(self.accelerator.is_local_main_process)
 
     def state_dict(self) -> dict[str, Any]:
         rank = self.accelerator.process_index

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ..hooks import ddp as gw_ddp
-from ..hooks.precondition import make_preconditioner
+from ..hooks.precondition import make_preconditioner, plain_sgd
+from ..hooks.ranks import ranks_with
 
 try:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -204,19 +205,14 @@ def _take_clipping(spec: str, args: TrainingArguments) -> str:
 def _check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
     """precondition= sends Adam's direction: the optimizer must apply it as it is (SGD, no momentum)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # (Accelerate wraps it)
-    if not isinstance(inner, torch.optim.SGD) or any(g.get("momentum", 0) for g in inner.param_groups):
+    if inner is None or not plain_sgd(inner):
         raise ValueError(f"precondition='adam' applies Adam in the hook, so the optimizer must be plain SGD without "
                          f"momentum (TrainingArguments(optim='sgd')), got {type(inner).__name__}")
 
 
 def _savers(args: TrainingArguments) -> list[int]:
     """The ranks the Trainer writes checkpoints from (rank 0, or each node's first with save_on_each_node)."""
-    if not args.save_on_each_node:
-        return [0]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flags = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(flags, torch.tensor([int(bool(args.should_save))], dtype=torch.int32, device=device))
-    return [r for r, saves in enumerate(flags) if int(saves)]  # (ints, not pickled objects: nothing a peer sends is unpickled)
+    return ranks_with(bool(args.should_save)) if args.save_on_each_node else [0]
 
 
 def _weights(model: torch.nn.Module) -> torch.Tensor:

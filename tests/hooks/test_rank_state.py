@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradwire.comm import GradientExchanger
 from gradwire.comm.torch_dist import TorchDistBackend
 from gradwire.hooks import ddp as gw_ddp
+from gradwire.errors import WireFormatError
 from gradwire.hooks import ranks, watchdog
 from multiproc import run_ranks
 
@@ -140,6 +141,13 @@ def _scenarios(rank: int, world: int, path: str) -> dict:
     for i in range(14):
         step(m, o, rank, i)
     logging.getLogger("gradwire").removeHandler(handler)
+    # 6. a peer announcing a state far larger than this rank's is refused on every rank, before any allocation
+    lying = {"residual": torch.zeros(1 << 20 if rank == 1 else 16)}  # 4 MiB against 64 bytes
+    try:
+        ranks.gather_states(lying)
+        out["lying_peer"] = "gathered"
+    except WireFormatError as e:
+        out["lying_peer"] = str(e)
     out["auto"] = {"choices": dict(s.strategy.choices) or {"all": s.strategy.choice},
                    "warnings": [r.getMessage() for r in records if "uncompressed" in r.getMessage()]}
     return out
@@ -168,6 +176,11 @@ def test_another_ranks_state_is_refused(results):
     assert "load the one rank 0 saved" in results[1]["marker_loads"]
     assert results[0]["exchanger_loads"] == "loaded"
     assert "saved by rank 0 of 2; this is rank 1 of 2" in results[1]["exchanger_loads"]
+
+
+def test_a_state_far_larger_than_this_ranks_is_refused_on_every_rank(results):
+    for r in results:
+        assert "cannot be a state of the same config" in r["lying_peer"] and "announced states of" in r["lying_peer"]
 
 
 def test_a_called_hook_does_not_warn(results):
