@@ -8,6 +8,11 @@ batches as gradwire/experiments/worker.py: `batches(n, 16*W, rank, W, seed)`), t
             (tensors < 1024 elements dense), DGC density warm-up from 25%, average, SGD lr*sqrt(W).
   sharedm   EF top-k on each rank's raw gradient, average the sparse messages, ONE shared momentum of
             the average, global v from dense warm-up (frozen, or refreshed by periodic dense steps).
+  plain     EF top-k on each rank's raw gradient, average, then the user's own Adam (moments of the
+            averaged sparse gradient; optimizer untouched).
+  delta     shared momentum M kept dense by everyone; each rank sends EF-compressed increments
+            (1-b1)*(g_i - M), the average is added to M (unsent coordinates keep their value);
+            global v from dense warm-up, frozen.
   onebit    1-bit-Adam style: each rank m_i = b1*m_shared + (1-b1)*g_i, EF top-k on m_i, the average
             becomes m_shared; global v from dense warm-up, frozen (or refreshed).
 
@@ -29,6 +34,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gradwire.experiments.tasks import get_task  # noqa: E402
 from gradwire.experiments.worker import batches, evaluate  # noqa: E402
+from gradwire.compress import indexcodec  # noqa: E402
+from gradwire.compress.registry import compressor as make_compressor  # noqa: E402
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 
@@ -43,7 +50,7 @@ def topk_(t: torch.Tensor, k: int) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--method", required=True, choices=["dense", "recipe", "sharedm", "onebit"])
+    ap.add_argument("--method", required=True, choices=["dense", "recipe", "sharedm", "onebit", "plain", "delta"])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -53,6 +60,11 @@ def main() -> None:
     ap.add_argument("--vrefresh", type=int, default=0, help="every N steps a dense step refreshes v (0: frozen)")
     ap.add_argument("--vbytes", type=int, default=4, help="bytes per sent value (4 fp32, 2 fp16)")
     ap.add_argument("--min-numel", type=int, default=1024)
+    ap.add_argument("--index", default="raw", choices=["raw", "packed"],
+                    help="packed: count gradwire's indexcodec bytes for the actual kept indices")
+    ap.add_argument("--spec", default="", help="a gradwire compressor spec applied per big tensor (overrides --ratio's top-k)")
+    ap.add_argument("--lr-sqrt-world", action="store_true", help="recipe: SGD lr x sqrt(W) (default on)")
+    ap.add_argument("--no-sqrt-world", action="store_true")
     ap.add_argument("--lr-mult", type=float, default=1.0, help="sharedm/onebit: lr multiplier after the dense warm-up")
     ap.add_argument("--comp", default="topk", choices=["topk", "sign"],
                     help="sign: 1-bit Adam's compressor, sign(acc) * mean|acc| per tensor (every tensor)")
@@ -101,6 +113,9 @@ def main() -> None:
             out.append([p.grad.detach().clone() for p in params])
         return out
 
+    sent = [0]
+    spec = make_compressor(a.spec) if a.spec else None
+
     def compress(vals: list[torch.Tensor], err: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
         """EF top-k per tensor; small tensors dense. Updates err in place, returns the message."""
         msg = []
@@ -113,11 +128,28 @@ def main() -> None:
                 continue
             if not b:
                 msg.append(g)
+                sent[0] += 4 * g.numel()
                 continue
             acc = g + err[j]
-            s = topk_(acc, max(1, int(g.numel() * ratio)))
+            if spec is not None:
+                pk = spec.encode(acc.reshape(-1).contiguous())
+                s = spec.decode(pk).view_as(acc)
+                sent[0] += pk.nbytes
+                err[j] = acc - s
+                msg.append(s)
+                continue
+            k = max(1, int(g.numel() * ratio))
+            s = topk_(acc, k)
             if a.vbytes == 2:
                 s = s.half().float()
+            elif a.vbytes == 1:  # fp8 e4m3 with one fp32 scale per tensor
+                sc = s.abs().max().clamp_min(1e-30) / 448.0
+                s = (s / sc).to(torch.float8_e4m3fn).float() * sc
+            if a.index == "packed":
+                idx = s.reshape(-1).nonzero().reshape(-1).to(torch.int32)
+                sent[0] += indexcodec.encode(idx, g.numel()).numel() + k * a.vbytes + 4
+            else:
+                sent[0] += k * (4 + a.vbytes)
             err[j] = acc - s
             msg.append(s)
         return msg
@@ -126,7 +158,12 @@ def main() -> None:
     total_bytes = 0
     dense_step = 4 * P
     t0 = time.time()
-    opt = torch.optim.Adam(params, lr=a.lr) if a.method == "dense" else None
+    opt = torch.optim.Adam(params, lr=a.lr) if a.method in ("dense", "plain") else None
+
+    def take_sent(ratio: float) -> float:
+        n = sparse_bytes(ratio) if a.comp == "sign" else sent[0] / W
+        sent[0] = 0
+        return n
     # per-rank state
     err = [zeros() for _ in range(W)]
     lm = [zeros() for _ in range(W)]  # recipe: local m
@@ -144,6 +181,20 @@ def main() -> None:
                 group["lr"] = lr
             opt.step()
             total_bytes += dense_step
+        elif a.method == "plain":
+            if step <= a.warm:
+                avg = [sum(g[j] for g in gs) / W for j in range(len(params))]
+                total_bytes += dense_step
+            else:
+                ratio = density(step - a.warm)
+                msgs = [compress(gs[r], err[r], ratio) for r in range(W)]
+                avg = [sum(mm[j] for mm in msgs) / W for j in range(len(params))]
+                total_bytes += take_sent(ratio)
+            for j, p in enumerate(params):
+                p.grad = avg[j]
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
         elif a.method == "recipe":
             ratio = density(step)
             msgs = []
@@ -154,10 +205,10 @@ def main() -> None:
                     lv[r][j].mul_(B2).addcmul_(g, g, value=1 - B2)
                     d.append(lm[r][j] / (1 - B1 ** step) / ((lv[r][j] / (1 - B2 ** step)).sqrt() + EPS))
                 msgs.append(compress(d, err[r], ratio))
-            total_bytes += sparse_bytes(ratio)
+            total_bytes += take_sent(ratio)
             with torch.no_grad():
                 for j, p in enumerate(params):
-                    p.add_(sum(mm[j] for mm in msgs) / W, alpha=-lr * math.sqrt(W))
+                    p.add_(sum(mm[j] for mm in msgs) / W, alpha=-lr * (1.0 if a.no_sqrt_world else math.sqrt(W)))
         else:
             dense_now = step <= a.warm or (a.vrefresh and step % a.vrefresh == 0)
             t_adam += 1
@@ -178,22 +229,27 @@ def main() -> None:
                     m[j].mul_(B1).add_(avg[j], alpha=1 - B1)
             else:
                 ratio = density(step - a.warm)
-                total_bytes += sparse_bytes(ratio)
                 if a.method == "sharedm":
                     msgs = [compress(gs[r], err[r], ratio) for r in range(W)]
                     for j in range(len(params)):
                         m[j].mul_(B1).add_(sum(mm[j] for mm in msgs) / W, alpha=1 - B1)
+                elif a.method == "delta":
+                    msgs = [compress([(1 - B1) * (gs[r][j] - m[j]) for j in range(len(params))], err[r], ratio)
+                            for r in range(W)]
+                    for j in range(len(params)):
+                        m[j].add_(sum(mm[j] for mm in msgs) / W)
                 else:  # onebit: compress local momentum started from the shared one
                     msgs = [compress([B1 * m[j] + (1 - B1) * gs[r][j] for j in range(len(params))], err[r], ratio)
                             for r in range(W)]
                     m = [sum(mm[j] for mm in msgs) / W for j in range(len(params))]
+                total_bytes += take_sent(ratio)
             with torch.no_grad():
                 bc1 = 1 - B1 ** t_adam
                 for j, p in enumerate(params):
                     p.add_(m[j] / bc1 / (vhat[j].sqrt() + EPS), alpha=-lr * (a.lr_mult if step > a.warm else 1.0))
     ev = evaluate(model, task, ds)
     rec = {"method": a.method, "world": W, "ratio": a.ratio, "warm": a.warm, "dgc_warmup": a.dgc_warmup,
-           "vrefresh": a.vrefresh, "vbytes": a.vbytes, "lr_mult": a.lr_mult, "comp": a.comp, "steps": a.steps, "seed": a.seed, "tag": a.tag,
+           "vrefresh": a.vrefresh, "vbytes": a.vbytes, "lr_mult": a.lr_mult, "comp": a.comp, "index": a.index, "spec": a.spec, "steps": a.steps, "seed": a.seed, "tag": a.tag,
            "val_loss": ev["test_loss"], "perplexity": ev["perplexity"], "accuracy": ev["accuracy"],
            "bytes_per_rank": total_bytes, "dense_bytes": dense_step * a.steps,
            "fewer": dense_step * a.steps / total_bytes, "secs": time.time() - t0, "argv": sys.argv[1:]}

@@ -24,9 +24,15 @@ from typing import Any
 
 import torch
 
+#: uncompressed steps whose averaged gradients build `global_adam`'s second moment by default
+GLOBAL_DENSE_STEPS = 4
+
 
 class AdamPreconditioner:
     """Per-parameter Adam moments (keyed by parameter name) that map a gradient to Adam's direction."""
+
+    #: whether the moments are the same on every rank, updated after the exchange (`after_` does work)
+    shares_moments = False
 
     def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, clip: float | None = None) -> None:
         if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and eps > 0.0):
@@ -61,11 +67,88 @@ class AdamPreconditioner:
         denom = (v / (1 - self.beta2 ** t)).sqrt_().add_(self.eps)
         torch.div(m, denom, out=g).div_(1 - self.beta1 ** t)
 
+    def before_(self, g: torch.Tensor, key: str, compressed: bool) -> None:
+        """Before the exchange: this rank's gradient becomes its own Adam direction."""
+        self.apply_(g, key)
+
+    def after_(self, avg: torch.Tensor, key: str, compressed: bool) -> None:
+        """After the exchange: the average of the directions is the step; nothing to do."""
+
     def state_dict(self) -> dict[str, Any]:
         return {"m": dict(self.m), "v": dict(self.v), "steps": dict(self.steps)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.m, self.v, self.steps = dict(state["m"]), dict(state["v"]), dict(state["steps"])
+
+
+class GlobalAdam(AdamPreconditioner):
+    """Adam with moments every rank shares, the momentum compressed (`precondition="global_adam"`).
+
+    The structure of 1-bit Adam (Tang et al., 2021): the second moment v is built from the averaged
+    gradients of the uncompressed first steps (`start_iter`, 4 by default) and then frozen; from
+    then on each rank sends its own momentum ``beta1 * m + (1 - beta1) * g_i`` through the
+    compressor with error feedback, and the average becomes the shared m. The step is
+    ``m_hat / (sqrt(v_hat) + eps)``, as dense Adam's, with no learning-rate factor for the world
+    size: unlike `adam` (each rank's own moments), the moments see the whole batch. Momentum is
+    smooth from step to step, so error feedback's delay costs little, which is why this keeps
+    quality at 4 ranks where per-rank moments do not (docs/benchmarks.md, issue 29).
+    """
+
+    shares_moments = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.frozen: dict[str, int] = {}  # per key: how many dense steps built v
+
+    def __str__(self) -> str:
+        return "global_" + super().__str__()
+
+    def before_(self, g: torch.Tensor, key: str, compressed: bool) -> None:
+        """Compressed steps send this rank's momentum (dense steps send the gradient as it is)."""
+        if compressed:
+            m = self.m.get(key)
+            if m is None:
+                raise RuntimeError(f"global_adam: no momentum for {key!r}: compression started before a dense step")
+            g.mul_(1 - self.beta1).add_(m, alpha=self.beta1)
+
+    def after_(self, avg: torch.Tensor, key: str, compressed: bool) -> None:
+        """Update the shared moments from the average and replace it by Adam's direction."""
+        t = self.steps[key] = self.steps.get(key, 0) + 1
+        if compressed:
+            if key not in self.v:
+                raise RuntimeError(f"global_adam: no second moment for {key!r}")
+            m = self.m[key]
+            m.copy_(avg)
+        else:
+            m = self.m.get(key)
+            if m is None:
+                m = self.m[key] = torch.zeros_like(avg)
+                self.v[key] = torch.zeros_like(avg)
+                self.frozen[key] = 0
+            m.mul_(self.beta1).add_(avg, alpha=1 - self.beta1)
+            self.v[key].mul_(self.beta2).addcmul_(avg, avg, value=1 - self.beta2)
+            self.frozen[key] += 1
+        denom = (self.v[key] / (1 - self.beta2 ** self.frozen[key])).sqrt_().add_(self.eps)
+        torch.div(m, denom, out=avg).div_(1 - self.beta1 ** t)
+        if compressed and self.max_step is not None:
+            avg.clamp_(-self.max_step, self.max_step)
+
+    @property
+    def max_step(self) -> float | None:
+        """The largest |m / sqrt(v)| any gradient sequence gives dense Adam (Cauchy-Schwarz over the two
+        EMAs; needs beta1**2 < beta2). With v frozen, a coordinate that was ~0 in the dense steps would
+        otherwise step by m / eps: compressed steps are clamped to this bound, which dense Adam's never exceed."""
+        ratio = self.beta1 ** 2 / self.beta2
+        if ratio >= 1.0:
+            return None
+        return (1 - self.beta1) / ((1 - self.beta2) * (1 - ratio)) ** 0.5
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "frozen": dict(self.frozen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.frozen = dict(state["frozen"])
 
 
 def sgd_like(optimizer: torch.optim.Optimizer) -> torch.optim.SGD:
@@ -78,11 +161,13 @@ def sgd_like(optimizer: torch.optim.Optimizer) -> torch.optim.SGD:
     return torch.optim.SGD(groups, lr=optimizer.defaults.get("lr", groups[0]["lr"]), momentum=0.0)
 
 
-def adam_spec(optimizer: torch.optim.Optimizer, clip: float | None = None) -> str:
+def adam_spec(optimizer: torch.optim.Optimizer, clip: float | None = None, *, shared: bool = False) -> str:
     """`precondition=` matching an Adam/AdamW optimizer's betas and eps (and `clip=`, the largest
-    gradient norm, where the user clipped with clip_grad_norm_)."""
+    gradient norm, where the user clipped with clip_grad_norm_); `shared=True` gives `global_adam`
+    (moments shared by every rank, the momentum compressed)."""
     beta1, beta2 = optimizer.defaults.get("betas", (0.9, 0.999))
-    spec = f"adam:beta1={beta1:g},beta2={beta2:g},eps={optimizer.defaults.get('eps', 1e-8):g}"
+    name = "global_adam" if shared else "adam"
+    spec = f"{name}:beta1={beta1:g},beta2={beta2:g},eps={optimizer.defaults.get('eps', 1e-8):g}"
     return spec + (f",clip={clip:g}" if clip is not None else "")
 
 
@@ -91,20 +176,25 @@ def plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) is torch.optim.SGD and all(not g.get("momentum") for g in optimizer.param_groups)
 
 
+_KINDS = {"adam": AdamPreconditioner, "global_adam": GlobalAdam}
+
+
 def make_preconditioner(spec: str | None) -> AdamPreconditioner | None:
-    """None or "" (off), "adam", or "adam:beta1=0.9,beta2=0.999,eps=1e-8,clip=1.0" (clip: none by default)."""
+    """None or "" (off), "adam" / "global_adam", optionally with ":beta1=0.9,beta2=0.999,eps=1e-8,clip=1.0"
+    (clip: none by default)."""
     if not spec:
         return None
     name, _, args = spec.partition(":")
-    if name != "adam":
-        raise ValueError(f"precondition must be 'adam' (optionally adam:beta1=..,beta2=..,eps=..,clip=..), got {spec!r}")
+    if name not in _KINDS:
+        raise ValueError(f"precondition must be 'adam' or 'global_adam' (optionally followed by "
+                         f":beta1=..,beta2=..,eps=..,clip=..), got {spec!r}")
     options: dict[str, float] = {}
     for item in filter(None, args.split(",")):
         key, _, value = item.partition("=")
         if key not in ("beta1", "beta2", "eps", "clip"):
-            raise ValueError(f"adam preconditioner takes beta1, beta2, eps, clip; got {item!r}")
+            raise ValueError(f"{name} preconditioner takes beta1, beta2, eps, clip; got {item!r}")
         try:
             options[key] = float(value)
         except ValueError:
             raise ValueError(f"adam preconditioner's {key} must be a number, got {item!r}") from None
-    return AdamPreconditioner(**options)
+    return _KINDS[name](**options)

@@ -119,19 +119,25 @@ class DirectionWatch:
         if optimizer not in self._optimizers:
             self._optimizers[optimizer] = _holds(optimizer, param)
             if self._optimizers[optimizer] and not plain_sgd(optimizer):
-                self._wrong_optimizer(optimizer)
+                self._wrong_optimizer(optimizer, self._kind())
         return self._optimizers[optimizer]
 
+    def _kind(self) -> str:
+        """The preconditioner's name as the user spelled it ("adam" or "global_adam")."""
+        state = self._state()
+        return state.config.precondition.partition(":")[0] if state is not None else "adam"
+
     @staticmethod
-    def _wrong_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    def _wrong_optimizer(optimizer: torch.optim.Optimizer, kind: str) -> None:
         """Once per optimizer: Adam applied twice, or momentum on top of Adam's direction."""
         name = type(optimizer).__name__
         warnings.warn(
-            f"gradwire: precondition='adam' applies Adam in the hook, and the optimizer is {name}"
+            f"gradwire: precondition='{kind}' applies Adam in the hook, and the optimizer is {name}"
             + (" with momentum" if name == "SGD" else "") + ", so the step is not Adam's. Use plain SGD over the "
             "same parameter groups: opt = gradwire.hooks.precondition.sgd_like(opt) (same lr and weight decay: "
             "SGD's decay on Adam's direction is AdamW's decoupled decay; build LR schedulers on it), and give the "
-            "hook Adam's betas: precondition=gradwire.hooks.precondition.adam_spec(old_opt, clip=1.0)",
+            "hook Adam's betas: precondition=gradwire.hooks.precondition.adam_spec(old_opt, clip=1.0"
+            + (", shared=True)" if kind == "global_adam" else ")"),
             RuntimeWarning, stacklevel=3)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -149,10 +155,10 @@ class DirectionWatch:
         if abs(ratio - 1.0) <= 1e-3:
             return False
         warnings.warn(
-            f"gradwire: precondition='adam' hands the optimizer Adam's averaged direction, and something "
+            f"gradwire: precondition='{self._kind()}' hands the optimizer Adam's averaged direction, and something "
             f"scaled it by {ratio:.3g} before the optimizer step (gradient clipping, or AMP's unscale). "
             "Clipping Adam's direction (norm about sqrt(#parameters)) shrinks every step. Clip the true "
-            "gradient in the hook instead, precondition='adam:clip=1.0', and turn the framework's clipping "
+            f"gradient in the hook instead, precondition='{self._kind()}:clip=1.0', and turn the framework's clipping "
             "off (your loop: drop clip_grad_norm_; Hugging Face Trainer: max_grad_norm=0, or use "
             "gradwire.integrations.hf_trainer, which moves it; Lightning: gradient_clip_val=None)",
             RuntimeWarning, stacklevel=2)

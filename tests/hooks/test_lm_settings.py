@@ -3,6 +3,8 @@ moved before the exchange (`precondition="adam"`)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -106,3 +108,91 @@ def test_lm_options_are_checked():
         gw_ddp.GradwireState("topk:ratio=0.01", precondition="lamb")
     assert warmup_ratio(0.01, 0, 4) == 0.25 and warmup_ratio(0.01, 4, 4) == 0.01
     assert warmup_ratio(0.01, 2, 4) == pytest.approx(0.05)  # halfway: the geometric mean
+
+
+def _frozen_v_adam(steps: int, dense: int, lr: float, world: int) -> list[torch.Tensor]:
+    """Reference for global_adam with an exact exchange, in one process: Adam on the ranks'
+    averaged gradient whose second moment stops updating after `dense` steps."""
+    model = make_model()
+    params = list(model.parameters())
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    bound = 0.1 / (0.001 * (1 - 0.81 / 0.999)) ** 0.5
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            model.zero_grad()
+            x, y = batch(rank, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in params])
+        with torch.no_grad():
+            for j, p in enumerate(params):
+                g = sum(gr[j] for gr in grads) / world
+                m[j].mul_(0.9).add_(g, alpha=0.1)
+                if step < dense:
+                    v[j].mul_(0.999).addcmul_(g, g, value=0.001)
+                vhat = v[j] / (1 - 0.999 ** min(step + 1, dense))
+                d = m[j] / (1 - 0.9 ** (step + 1)) / (vhat.sqrt() + 1e-8)
+                if step >= dense:  # a unit dead in the dense steps (v = 0) steps by at most Adam's bound
+                    d.clamp_(-bound, bound)
+                p.sub_(lr * d)
+    return [p.detach().clone() for p in params]
+
+
+def _global_adam(rank: int, world: int) -> dict:
+    out = {}
+    base = DDP(make_model())
+    out["adam"] = train(base, torch.optim.Adam(base.parameters(), lr=0.01), rank, 8)
+    never = DDP(make_model())  # compression never starts: every step is dense Adam on the average
+    gw_ddp.register(never, "none", strategy="allgather", precondition="global_adam", start_iter=100)
+    out["never"] = train(never, torch.optim.SGD(never.parameters(), lr=0.01), rank, 8)
+    exact = DDP(make_model(), bucket_cap_mb=0.005)  # "none" sends each rank's momentum exactly
+    state = gw_ddp.register(exact, "none", strategy="allgather", precondition="global_adam", start_iter=3)
+    out["exact"] = train(exact, torch.optim.SGD(exact.parameters(), lr=0.01), rank, 8)
+    out["exact_start"] = state.start_iter
+    signs = DDP(make_model())
+    state = gw_ddp.register(signs, "sign@allgather", precondition="global_adam")
+    out["sign"] = train(signs, torch.optim.SGD(signs.parameters(), lr=0.01), rank, 8)
+    out["sign_history"] = list(state.history)
+    out["start"] = state.start_iter
+    saved = copy.deepcopy(state.state_dict())  # (what torch.save would have written: the live tensors move on)
+    out["more"] = train(signs, torch.optim.SGD(signs.parameters(), lr=0.01), rank, 3)
+    resumed = DDP(make_model())
+    with torch.no_grad():
+        for p, q in zip(resumed.parameters(), out["sign"]):
+            p.copy_(q)
+    again = gw_ddp.register(resumed, "sign@allgather", precondition="global_adam")
+    again.load_state_dict(saved)
+    out["resumed"] = train(resumed, torch.optim.SGD(resumed.parameters(), lr=0.01), rank, 3)
+    return out
+
+
+def test_global_adam_is_adam_on_the_average_and_compresses_the_momentum():
+    results = run_ranks(_global_adam, 2)
+    reference = _frozen_v_adam(8, 3, 0.01, 2)
+    for r in results:
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(r["adam"], r["never"]))
+        assert r["exact_start"] == 3 and r["start"] == 4  # global_adam's default: 4 dense steps build v
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(reference, r["exact"]))
+        dense = [h for h in r["sign_history"] if h["iter"] < r["start"]]
+        sent = [h for h in r["sign_history"] if h["iter"] >= r["start"]]
+        assert len(dense) == 4 and len(sent) == 4
+        assert all(h["bytes_sent"] * 20 < dense[0]["bytes_sent"] for h in sent)  # 1 bit + scales per element
+        assert any(not torch.equal(a, b) for a, b in zip(r["sign"], r["never"]))
+        assert all(torch.equal(a, b) for a, b in zip(r["more"], r["resumed"]))  # moments and residuals resume
+    for key in ("sign", "exact", "more"):
+        assert all(torch.equal(a, b) for a, b in zip(results[0][key], results[1][key]))
+
+
+def test_global_adam_spec():
+    from gradwire.hooks.precondition import GlobalAdam, adam_spec, make_preconditioner
+
+    adamw = torch.optim.AdamW(make_model().parameters(), betas=(0.9, 0.95))
+    spec = adam_spec(adamw, clip=1.0, shared=True)
+    assert spec == "global_adam:beta1=0.9,beta2=0.95,eps=1e-08,clip=1"
+    pre = make_preconditioner(spec)
+    assert isinstance(pre, GlobalAdam) and str(pre) == "global_adam:beta1=0.9,beta2=0.95,eps=1e-08,clip=1"
+    with pytest.raises(ValueError, match="global_adam preconditioner takes"):
+        make_preconditioner("global_adam:gamma=1")
+    with pytest.raises(ValueError, match="start_iter must be >= 1"):
+        gw_ddp.GradwireState("none", strategy="allgather", precondition="global_adam", start_iter=0)
