@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "decays exponentially from 25%% to its own (-1: the task's default, charlm: 100; others: 0)")
     p.add_argument("--precondition", default="auto",
                    help="'adam': compressed methods send Adam's direction (each rank's own moments) and train with "
-                        "plain SGD, so error feedback delays Adam's steps instead of shrinking them; 'none'; "
+                        "plain SGD, so error feedback delays Adam's steps instead of shrinking them; 'global_adam': "
+                        "moments shared by every rank, v frozen after the uncompressed first steps, each rank's "
+                        "momentum compressed (the LM setting with sign@allgather); 'none'; "
                         "'auto': the task's default for sparsifiers (charlm: adam; others: none; never PowerSGD, whose "
                         "low rank fits raw gradients better). Dense runs use the task's optimizer")
     p.add_argument("--engine", default="ddp", choices=["ddp", "fsdp", "hsdp"],

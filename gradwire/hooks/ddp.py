@@ -17,8 +17,8 @@ exponentially from `warmup_ratio` (25%) to the compressor's own (`last_stats["de
 `precondition="adam"` moves Adam before the exchange (hooks/precondition.py: each rank sends
 Adam's direction from its own moments; pair it with `torch.optim.SGD(params, lr)`, no momentum),
 so error feedback delays Adam's steps instead of shrinking them. `precondition="global_adam"`
-shares the moments instead (1-bit Adam's structure): the first `start_iter` steps (4) are dense and
-build the second moment, which then freezes, and each rank sends its momentum through the
+shares the moments instead (1-bit Adam's structure): the first `start_iter` steps (12) are
+uncompressed (bf16) and build the second moment, which then freezes, and each rank sends its momentum through the
 compressor; with `"sign"` that is the setting for Adam-trained LMs at 20x fewer bytes.
 Buckets whose packet would not be smaller than dense are allreduced; error feedback is kept
 per parameter. At the first call the ranks compare a fingerprint of their config and all raise
@@ -64,7 +64,7 @@ import torch.distributed as dist
 from ..comm.backend import Work
 from ..comm.config import EntryPoint, ExchangeConfig, check_rank, config_field, strategy_names
 from ..comm.base import ExchangeStats, Strategy, segments_of
-from ..comm.dense import DenseAllreduce
+from ..comm.dense import Allreduce, DenseAllreduce
 from ..comm.torch_dist import TorchDistBackend
 from ..compress import Compressor, Ctx
 from ..compress.schedule import ratio_of, warmup_ratio, with_ratio
@@ -116,7 +116,7 @@ class DDPConfig(ExchangeConfig):
         self.start_iter = default if start_iter is None else int(start_iter)
         if shared and self.start_iter < 1:
             raise ValueError("precondition='global_adam' builds Adam's second moment from the dense steps before "
-                             "start_iter: start_iter must be >= 1 (default 4)")
+                             "start_iter: start_iter must be >= 1 (default 12)")
         if self.start_iter < earliest:
             raise ValueError(f"start_iter must be >= {SETTLED_STEP} when error feedback or per-bucket state is used: "
                              "DDP rebuilds its buckets after the first iteration")
@@ -166,7 +166,7 @@ class GradwireState(PerRankState, EntryPoint):
         self.history: list[dict[str, Any]] = []
         self._untaken = ExchangeStats()  # totals since the last take_stats()
         self._strategy: Strategy | None = None
-        self._dense: DenseAllreduce | None = None
+        self._dense: Strategy | None = None
         self._pending_state: dict[str, Any] | None = None
         self._checked = False
         self._in_flight: list[torch.futures.Future] = []  # this step's bucket results so far
@@ -230,7 +230,9 @@ class GradwireState(PerRankState, EntryPoint):
             self._strategy.into_input = True  # the bucket buffer may hold the result, as in torch's hooks
             if self._strategy.warmup_strategy is not None:
                 self._strategy.warmup_strategy.into_input = True
-            self._dense = DenseAllreduce(backend)
+            cast = self.preconditioner.uncompressed if self.preconditioner is not None else None
+            self._dense = Allreduce(backend, cast, error_feedback=False) if cast else DenseAllreduce(backend)
+            self._dense.into_input = True
             if hasattr(self._strategy, "plan_sizes"):
                 self._strategy.plan_sizes = self._param_sizes
                 self._strategy.plan_shapes = self._param_shapes
@@ -240,7 +242,9 @@ class GradwireState(PerRankState, EntryPoint):
         return self._strategy
 
     @property
-    def dense(self) -> DenseAllreduce:
+    def dense(self) -> Strategy:
+        """How the uncompressed first steps travel: a dense allreduce, or the preconditioner's cast
+        (`global_adam`: bf16, as those steps only build Adam's moments)."""
         self.strategy  # noqa: B018  (builds both)
         assert self._dense is not None
         return self._dense
