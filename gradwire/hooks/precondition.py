@@ -1,4 +1,4 @@
-"""Adam before compression ("error feedback after Adam"), for the DDP hook's `precondition="adam"`.
+"""Adam inside the DDP hook, the optimizer plain SGD: `precondition="adam"` and `"global_adam"`.
 
 Each rank turns its own gradient into Adam's step direction ``m_hat / (sqrt(v_hat) + eps)``, with
 moments of its local gradients, and the hook compresses and averages that direction; the optimizer
@@ -10,7 +10,12 @@ about sqrt(T) times less than under dense Adam (on the 0.47M-parameter charlm tr
 error feedback delays it without shrinking it. The moments never travel: they are per rank, and the
 parameters stay identical because every rank applies the same averaged direction.
 
-Clipping: the optimizer sees Adam's averaged direction, whose norm is about sqrt(#parameters), so
+`"global_adam"` (`GlobalAdam`) shares the moments instead: v is built in the uncompressed first
+steps and frozen, and each rank sends its momentum through the compressor (1-bit Adam's
+structure). Per-rank moments see each rank's own noise, which costs quality as the world grows;
+shared ones see the whole batch. With `"sign"` this is the LM setting at 20x fewer bytes.
+
+Clipping (both): the optimizer sees Adam's averaged direction, whose norm is about sqrt(#parameters), so
 `clip_grad_norm_(1.0)` (the Hugging Face Trainer's default) would shrink every step by that factor.
 `clip=C` clips the true gradient instead, before the moments: each rank scales its own gradient (the
 norm over the whole model, as `clip_grad_norm_` computes it) to at most C. The hook then waits for
