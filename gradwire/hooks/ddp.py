@@ -18,8 +18,9 @@ exponentially from `warmup_ratio` (25%) to the compressor's own (`last_stats["de
 Adam's direction from its own moments; pair it with `torch.optim.SGD(params, lr)`, no momentum),
 so error feedback delays Adam's steps instead of shrinking them. `precondition="global_adam"`
 shares the moments instead (1-bit Adam's structure): the first `start_iter` steps (12) are
-uncompressed (bf16) and build the second moment, which then freezes, and each rank sends its momentum through the
-compressor; with `"sign"` that is the setting for Adam-trained LMs at 20x fewer bytes.
+uncompressed (bf16) and build the second moment, which then freezes, and each rank sends its
+momentum through the compressor; with `"sign"` that is the setting for Adam-trained LMs at 20x
+fewer bytes.
 Buckets whose packet would not be smaller than dense are allreduced; error feedback is kept
 per parameter. At the first call the ranks compare a fingerprint of their config and all raise
 if they differ, instead of hanging or silently diverging.
