@@ -63,8 +63,7 @@ def main() -> None:
     ap.add_argument("--index", default="raw", choices=["raw", "packed"],
                     help="packed: count gradwire's indexcodec bytes for the actual kept indices")
     ap.add_argument("--spec", default="", help="a gradwire compressor spec applied per big tensor (overrides --ratio's top-k)")
-    ap.add_argument("--lr-sqrt-world", action="store_true", help="recipe: SGD lr x sqrt(W) (default on)")
-    ap.add_argument("--no-sqrt-world", action="store_true")
+    ap.add_argument("--no-sqrt-world", action="store_true", help="recipe: SGD at lr, not lr x sqrt(W)")
     ap.add_argument("--lr-mult", type=float, default=1.0, help="sharedm/onebit: lr multiplier after the dense warm-up")
     ap.add_argument("--comp", default="topk", choices=["topk", "sign"],
                     help="sign: 1-bit Adam's compressor, sign(acc) * mean|acc| per tensor (every tensor)")

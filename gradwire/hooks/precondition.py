@@ -108,6 +108,7 @@ class GlobalAdam(AdamPreconditioner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.frozen: dict[str, int] = {}  # per key: how many dense steps built v
+        self._denoms: dict[str, torch.Tensor] = {}  # per key: the frozen v's denominator (derived, not saved)
 
     def __str__(self) -> str:
         return "global_" + super().__str__()
@@ -137,10 +138,18 @@ class GlobalAdam(AdamPreconditioner):
             m.mul_(self.beta1).add_(avg, alpha=1 - self.beta1)
             self.v[key].mul_(self.beta2).addcmul_(avg, avg, value=1 - self.beta2)
             self.frozen[key] += 1
-        denom = (self.v[key] / (1 - self.beta2 ** self.frozen[key])).sqrt_().add_(self.eps)
-        torch.div(m, denom, out=avg).div_(1 - self.beta1 ** t)
+        torch.div(m, self._denominator(key, compressed), out=avg).div_(1 - self.beta1 ** t)
         if compressed and self.max_step is not None:
             avg.clamp_(-self.max_step, self.max_step)
+
+    def _denominator(self, key: str, frozen: bool) -> torch.Tensor:
+        """sqrt(v_hat) + eps; once v is frozen it never changes, so it is computed once per key."""
+        cached = self._denoms.get(key) if frozen else None
+        if cached is None:
+            cached = (self.v[key] / (1 - self.beta2 ** self.frozen[key])).sqrt_().add_(self.eps)
+            if frozen:
+                self._denoms[key] = cached
+        return cached
 
     @property
     def max_step(self) -> float | None:
@@ -158,6 +167,7 @@ class GlobalAdam(AdamPreconditioner):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.frozen = dict(state["frozen"])
+        self._denoms = {}
 
 
 def sgd_like(optimizer: torch.optim.Optimizer) -> torch.optim.SGD:
