@@ -139,6 +139,17 @@ class Hierarchical(Strategy):
         self.inner = make_inner(self.inter)
         super().__init__(backend, self.inner.compressor, error_feedback=False)  # the inner strategy keeps it
 
+    @classmethod
+    def beside(cls, other: "Hierarchical", make_inner: Callable[[Backend], Strategy]) -> "Hierarchical":
+        """Another inner strategy over `other`'s nodes and sub-groups (no new groups: creating
+        them is a collective that costs round trips on a slow network)."""
+        self = cls.__new__(cls)
+        self.node, self.local, self.ranks_per_node = other.node, other.local, other.ranks_per_node
+        self.intra, self.inter, self.node_ranks = other.intra, other.inter, other.node_ranks
+        self.inner = make_inner(self.inter)
+        Strategy.__init__(self, other.backend, self.inner.compressor, error_feedback=False)
+        return self
+
     def set_compressor(self, c: Compressor) -> None:
         super().set_compressor(c)
         self.inner.set_compressor(c)

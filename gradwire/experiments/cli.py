@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from .cluster import RATE_RE, EmulationUnavailable, check_available, rate_bits
+from .cluster import EmulationUnavailable, check_available
+from .network import LINK_RE, PRESETS, Network, parse_link, parse_ms
 from .report import write_report
 from .sweep import Sweep, run_sweep
 from .tasks import TASKS, get_task
@@ -38,7 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", default="0.01,0.1", help="kept fractions for sparsifiers without an explicit ratio")
     p.add_argument("--worlds", default="4", help="comma list of world sizes (ranks on this machine)")
     p.add_argument("--links", default="none",
-                   help="comma list: 'none' (loopback) or tbf rates such as 100mbit,1gbit (emulated cluster; root)")
+                   help="comma list: 'none' (loopback) or rates between emulated nodes such as 100mbit,1gbit "
+                        "(emulated cluster; root), optionally with a round-trip time: 100mbit-rtt40ms")
+    p.add_argument("--rtt", default="0ms",
+                   help="comma list of round-trip times between nodes, e.g. 40ms,80ms, applied to every rate in "
+                        "--links (0ms: none, tbf alone; >0: vde2's wirefilter delays the inter-node wires; traffic "
+                        "inside a node is never delayed)")
+    p.add_argument("--jitter", default="0ms", help="jitter of the round-trip time (each one-way delay varies "
+                                                   "uniformly within +-jitter/2); needs --rtt")
+    p.add_argument("--loss", type=float, default=0.0, help="packet loss between nodes, percent; needs --rtt")
+    p.add_argument("--network", default="",
+                   help="comma list of named networks, added to --links: " + "; ".join(
+                       f"{name}: {n.rate}" + (f", RTT {n.rtt_ms:g} ms" if n.rtt_ms else ", no added delay")
+                       for name, n in PRESETS.items()))
     p.add_argument("--ranks-per-node", type=int, default=1,
                    help="ranks per node: in the emulated cluster they share one namespace and one shaped link "
                         "(fast between them, --links between nodes); the hierarchical strategy finds them")
@@ -85,6 +98,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def network_links(args: argparse.Namespace) -> list[str]:
+    """--links x --rtt (with --jitter and --loss), then --network's presets, as link strings (network.py)."""
+    rtts = [parse_ms(t) for t in args.rtt.split(",") if t.strip()] or [0.0]
+    jitter = parse_ms(args.jitter)
+    out: list[str] = []
+    given = "" if args.network and args.links == "none" else args.links  # --network alone: no loopback run
+    for link in (s.strip() for s in given.split(",") if s.strip()):
+        if link == "none":
+            out.append(link)
+            continue
+        base = parse_link(link)
+        if base.delayed and (rtts != [0.0] or jitter or args.loss):
+            raise ValueError(f"link {link!r} has its own round-trip time: give --rtt, --jitter and --loss "
+                             "or a link such as 100mbit-rtt40ms, not both")
+        for rtt in rtts if not base.delayed else [base.rtt_ms]:
+            net = base if base.delayed else Network(base.rate, rtt, jitter if rtt else 0.0, args.loss if rtt else 0.0)
+            if not rtt and (jitter or args.loss):
+                raise ValueError("--jitter and --loss need a round-trip time (--rtt > 0)")
+            out.append(net.label)
+    for name in (s.strip() for s in args.network.split(",") if s.strip()):
+        if name not in PRESETS:
+            raise ValueError(f"--network {name!r} is not one of {', '.join(PRESETS)}")
+        out.append(PRESETS[name].label)
+    return list(dict.fromkeys(out))
+
+
 def sweep_from(args: argparse.Namespace) -> Sweep:
     if args.quick:
         defaults = build_parser().parse_args([])
@@ -94,18 +133,16 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
     task = get_task(args.task)
     arch = args.arch or task.default_arch
     task.model(arch, args.width)  # unknown architecture: fail before anything runs
-    links = [s.strip() for s in args.links.split(",") if s.strip()]
-    for link in links:
-        if link != "none":
-            rate_bits(link)
+    links = network_links(args)
     if args.ranks_per_node < 1 or args.nodes < 0:
         raise ValueError("--ranks-per-node must be >= 1 and --nodes >= 0")
     link_seeds: dict[str, list[int]] = {}
     for item in args.link_seeds:
         link, eq, seeds = item.partition("=")
         link = link.strip()
-        if not eq or (link != "none" and not RATE_RE.match(link.lower())):
-            raise ValueError(f"--link-seeds takes LINK=SEEDS with LINK a rate such as 100mbit, got {item!r}")
+        if not eq or (link != "none" and not LINK_RE.match(link.lower())):
+            raise ValueError(f"--link-seeds takes LINK=SEEDS with LINK a rate such as 100mbit (or 100mbit-rtt40ms), "
+                             f"got {item!r}")
         link_seeds[link] = _csv(int, seeds)  # a link not in --links is not swept (a partial run)
     worlds = [args.nodes * args.ranks_per_node] if args.nodes else _csv(int, args.worlds)
     if any(w < 1 for w in worlds):
@@ -143,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"experiment-results/{sweep.task}" + ("-quick" if args.quick else ""))
     if any(c.link != "none" for c in configs) and not args.report_only:
         try:
-            check_available()
+            check_available(any(parse_link(c.link).delayed for c in configs if c.link != "none"))
         except EmulationUnavailable as exc:
             print(f"gradwire experiment: error: {exc}.\nRun with --links none instead: report.md and projection.csv "
                   "then model 1, 10 and 100 Gbit/s links (alpha-beta, from the bytes measured per step).",

@@ -11,6 +11,10 @@ one shaped link, as a real node's NIC. Addresses are created for the run
 in 10.213.N.0/24 and reach nothing else. `teardown()` deletes every namespace it made (which
 removes the veths and the bridge); it runs on normal exit, exceptions, Ctrl-C and SIGTERM,
 and namespaces left by a process that died are removed the next time a cluster is built.
+
+A link with a round-trip time (``100mbit-rtt40ms``, network.py) replaces the veths, bridge and
+tbf with user-space wires that delay, rate-limit and drop (wan.py): the same namespaces and
+addresses, each node's interface a TAP device.
 """
 
 from __future__ import annotations
@@ -22,20 +26,15 @@ import signal
 import subprocess
 from types import FrameType, TracebackType
 
+from .network import LINK_RE, RATE_RE, Network, parse_link, rate_bits
+from .wan import Wires, missing_tools, tcp_buffer_bytes
+
 PREFIX = "gwx"
-RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)bit$")
+__all__ = ["EmulatedCluster", "EmulationUnavailable", "LINK_RE", "RATE_RE", "check_available", "rate_bits"]
 
 
 class EmulationUnavailable(RuntimeError):
     """The emulated cluster cannot be built here (privileges or tools missing)."""
-
-
-def rate_bits(rate: str) -> float:
-    """'100mbit' -> 1e8 (bits per second); anything else raises ValueError."""
-    m = RATE_RE.match(rate.lower())
-    if not m:
-        raise ValueError(f"link rate {rate!r} is not of the form <number>kbit|mbit|gbit, e.g. 100mbit")
-    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
 def _run(*cmd: str) -> None:
@@ -44,14 +43,22 @@ def _run(*cmd: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
 
 
-def check_available() -> None:
-    """Raise EmulationUnavailable with what is missing; does nothing when all is in place."""
+def check_available(delayed: bool = False) -> None:
+    """Raise EmulationUnavailable with what is missing (for links with a round-trip time too,
+    when `delayed`); does nothing when all is in place."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise EmulationUnavailable(f"the emulated cluster needs iproute2's {' and '.join(missing)} on PATH")
     if os.geteuid() != 0:
         raise EmulationUnavailable("the emulated cluster needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create "
                                    "network namespaces and tbf qdiscs")
+    if delayed:
+        if missing_tools():
+            raise EmulationUnavailable(f"a round-trip time between emulated nodes needs vde2's "
+                                       f"{' and '.join(missing_tools())} on PATH (apt-get install vde2)")
+        if not os.path.exists("/dev/net/tun"):
+            raise EmulationUnavailable("a round-trip time between emulated nodes needs TAP devices: /dev/net/tun "
+                                       "is missing (modprobe tun, or run the container with --device /dev/net/tun)")
 
 
 def _alive(pid: int) -> bool:
@@ -81,6 +88,8 @@ class EmulatedCluster:
     """Context manager: `with EmulatedCluster(4, "100mbit") as c: c.prefix(r) + [python, ...]`."""
 
     def __init__(self, world: int, rate: str, latency_ms: float = 100.0, ranks_per_node: int = 1) -> None:
+        """`rate`: a link as network.py spells it ("100mbit", "100mbit-rtt40ms"); `latency_ms`:
+        how long tbf may queue a packet (links without a round-trip time)."""
         if world < 1 or world > 250:
             raise ValueError(f"emulated cluster size must be 1..250 ranks, got {world}")
         if ranks_per_node < 1 or world % ranks_per_node:
@@ -88,8 +97,10 @@ class EmulatedCluster:
         self.world = world
         self.ranks_per_node = ranks_per_node
         self.nodes = world // ranks_per_node
-        self.rate = rate
-        self.bits = rate_bits(rate)
+        self.net: Network = parse_link(rate)
+        self.rate = self.net.rate
+        self.bits = self.net.bits
+        self.wires: Wires | None = None
         self.latency_ms = latency_ms
         self.owner = os.getpid()
         self.subnet = f"10.213.{self.owner % 250}"
@@ -106,7 +117,7 @@ class EmulatedCluster:
         return f"{self.subnet}.{self.node(rank) + 1}"
 
     def iface(self, rank: int) -> str:
-        return f"{PREFIX}{self.node(rank)}a"
+        return f"{PREFIX}{self.node(rank)}{'t' if self.net.delayed else 'a'}"
 
     def prefix(self, rank: int) -> list[str]:
         """Command prefix that runs a program inside rank's namespace."""
@@ -119,8 +130,11 @@ class EmulatedCluster:
              "burst", str(burst), "latency", f"{self.latency_ms:g}ms")
 
     def build(self) -> None:
-        check_available()
+        check_available(self.net.delayed)
         remove_stale()
+        if self.net.delayed:
+            self._build_delayed()
+            return
         switch = f"{PREFIX}{self.owner}sw"
         try:
             _run("ip", "netns", "add", switch)
@@ -143,7 +157,34 @@ class EmulatedCluster:
             self._shape(ns, inner)       # upload
             self._shape(switch, outer)   # download
 
+    def _build_delayed(self) -> None:
+        """Namespaces joined by vde2 wires (wan.py), their TCP tuned as hosts on a long fat link are:
+        socket buffers up to several bandwidth-delay products, and no return to slow start after
+        an idle gap (a training step's exchange follows its compute; restarting from a 10-packet
+        window each step would cost several round trips that a tuned host does not pay)."""
+        self.wires = Wires(self.net, self.owner)
+        most = tcp_buffer_bytes(self.net)
+        switches = []
+        for node in range(self.nodes):
+            r = node * self.ranks_per_node
+            ns, tap = self.ns(r), self.iface(r)
+            try:
+                _run("ip", "netns", "add", ns)
+            except RuntimeError as exc:
+                raise EmulationUnavailable(f"cannot create network namespaces here: {exc}") from exc
+            self.namespaces.append(ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            switches.append(self.wires.switch(f"node{node}", ns, tap))
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", tap)
+            _run("ip", "-n", ns, "link", "set", tap, "up")
+            _run("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_rmem=4096 131072 {most}",
+                 f"net.ipv4.tcp_wmem=4096 16384 {most}", "net.ipv4.tcp_slow_start_after_idle=0")
+        self.wires.connect(switches)
+
     def teardown(self) -> None:
+        if self.wires is not None:
+            self.wires.stop()
+            self.wires = None
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces.clear()

@@ -98,7 +98,7 @@ class RunConfig:
     lr: float
     seed: int = 0
     eval_every: int = 100
-    link: str = "none"  # "none" (loopback) or a tbf rate such as "100mbit"
+    link: str = "none"  # "none" (loopback) or a link between nodes: "100mbit", "100mbit-rtt40ms" (network.py)
     strategy: str = "default"
     error_feedback: str = "auto"
     data_dir: str | None = None
@@ -152,4 +152,5 @@ class RunConfig:
         slug = re.sub(r"[^A-Za-z0-9.=]+", "_", self.resolved().label)
         engine = "" if self.engine == "ddp" else f"-{self.engine}"
         ranks = f"w{self.world}" if self.ranks_per_node == 1 else f"n{self.world // self.ranks_per_node}x{self.ranks_per_node}"
-        return f"{self.task}-{self.arch}{self.width}-{slug}{engine}-{ranks}-{self.link}-s{self.seed}-{digest}"
+        link = re.sub(r"[^A-Za-z0-9.=-]+", "_", self.link)  # (100mbit-rtt40ms-loss0.1% -> ..._)
+        return f"{self.task}-{self.arch}{self.width}-{slug}{engine}-{ranks}-{link}-s{self.seed}-{digest}"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from . import tta as time_to_accuracy
+from .network import link_sort_key
 from .projection import PROJECTED_LINKS, PROJECTED_RANKS, profile, table
 
 STEP_FIELDS = ["run_id", "method", "world", "link", "type", "step", "epoch", "loss", "accuracy", "test_loss",
@@ -151,7 +152,7 @@ def markdown(rows: list[dict[str, Any]], front: list[dict[str, Any]], projection
               "Compute, encode and decode times are those measured here, where ranks may share CPU cores "
               "(then they are inflated; each rank of a real cluster has its own). "
               "Real clusters add congestion, stragglers and topology.", ""]
-    for link in sorted({p["link"] for p in projections}, key=lambda s: float(s[:-4].rstrip("kmg") or 0)):
+    for link in sorted({p["link"] for p in projections}, key=link_sort_key):
         rows_l = [p for p in projections if p["link"] == link]
         cols = [f"P={n}" for n in PROJECTED_RANKS]
         lines += [f"**{link}** (projected s/step)", "", "| method | " + " | ".join(cols) + " |",

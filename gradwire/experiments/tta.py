@@ -13,6 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from .network import link_sort_key
+
 ACCURACY_SLACK = 0.5  # points below dense's final accuracy
 PERPLEXITY_SLACK = 0.03  # relative, above dense's final perplexity
 
@@ -77,11 +79,6 @@ def _mb(v: float | None) -> str:
     return "-" if v is None else f"{v / 1e6:.1f}"
 
 
-def _rate_key(link: str) -> float:
-    scale = {"k": 1e3, "m": 1e6, "g": 1e9}
-    return 0.0 if link == "none" else float(link[:-4].rstrip("kmg") or 0) * scale.get(link[-4:-3], 1)
-
-
 def markdown(tta: list[dict[str, Any]]) -> list[str]:
     """Per task and link: each method's time to target (mean over seeds, and each seed), its
     speed-up over dense, final quality and bytes per rank (all, intra-node, inter-node on the wire)."""
@@ -94,7 +91,7 @@ def markdown(tta: list[dict[str, Any]]) -> list[str]:
              "sent, of it inside a node (counted by the hierarchical strategy; flat strategies do not attribute theirs), "
              "and what crossed between nodes on the emulated links (the nodes' interface counters, TCP/IP included).", ""]
     for task in sorted({t["task"] for t in tta}):
-        for link in sorted({t["link"] for t in tta if t["task"] == task}, key=_rate_key):
+        for link in sorted({t["link"] for t in tta if t["task"] == task}, key=link_sort_key):
             sel = [t for t in tta if t["task"] == task and t["link"] == link]
             metric = sel[0]["metric"]
             seeds = sorted({t["seed"] for t in sel})
@@ -134,7 +131,7 @@ def plot(out: Path, tta: list[dict[str, Any]], steps: dict[str, list[dict[str, A
 
     files = []
     for task in sorted({t["task"] for t in tta}):
-        for link in sorted({t["link"] for t in tta if t["task"] == task}, key=_rate_key):
+        for link in sorted({t["link"] for t in tta if t["task"] == task}, key=link_sort_key):
             sel = [t for t in tta if t["task"] == task and t["link"] == link]
             metric = sel[0]["metric"]
             fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -187,6 +187,8 @@ def _lowrank(rank: int, world: int) -> dict:
     common = dict(inner="powersgd", rank=2, ranks_per_node=2, trials=0)
     slow_between = Auto(backend, "none", alpha=1e-4, beta=1e-7, intra_alpha=1e-6, intra_beta=1e-11, **common)
     fast = Auto(backend, "none", alpha=1e-6, beta=1e-12, intra_alpha=1e-6, intra_beta=1e-12, **common)
+    # 40 ms round trips between nodes (alpha: one way), 100 Mbit/s; loopback inside a node
+    far = Auto(backend, "none", alpha=0.02, beta=8e-8, intra_alpha=1e-5, intra_beta=1e-10, **common)
     trial = Auto(backend, "none", inner="powersgd", rank=2, ranks_per_node=2, trials=1, settle=0)
     gen = torch.Generator().manual_seed(rank)
     outs, choices = [], []
@@ -199,6 +201,7 @@ def _lowrank(rank: int, world: int) -> dict:
     out = {"slow": slow_between.predict(sizes, torch.float32, shapes),
            "slow_choice": slow_between.choose(sizes, torch.float32, shapes),
            "fast_choice": fast.choose(sizes, torch.float32, shapes), "unknown": fast.predict(sizes, torch.float32),
+           "far": far.predict(sizes, torch.float32, shapes), "far_choice": far.choose(sizes, torch.float32, shapes),
            "order": order, "trial_order": trial.trial.phase.order, "measured": trial.measured, "choices": choices,
            "outs": outs, "probed": trial._model is not None}
     torch.distributed.barrier()  # the sub-groups outlive every pending callback
@@ -210,13 +213,18 @@ def test_auto_with_lowrank_candidates_weighs_powersgd_flat_and_between_nodes():
     between nodes, modelled from the matrices' shapes, timed in the trial beside dense and bf16."""
     results = run_ranks(_lowrank, 4, timeout=600)
     a = results[0]
-    assert set(a["slow"]) == {"dense", "bf16", "powersgd", "hierarchical"}
+    assert set(a["slow"]) == {"dense", "bf16", "powersgd", "hierarchical", "hierarchical_bf16"}
     assert a["slow"]["powersgd"] < a["slow"]["bf16"] < a["slow"]["dense"]  # rank 2 of 256x128: 1/40 the bytes
     assert a["slow"]["hierarchical"] < a["slow"]["powersgd"]  # only a node's share crosses the slow links
-    assert a["slow_choice"] == "hierarchical" and a["fast_choice"] in ("dense", "bf16")
+    assert a["slow_choice"] == "hierarchical" and a["fast_choice"] in ("dense", "bf16", "hierarchical_bf16")
     assert a["unknown"]["powersgd"] == 0.0  # no shapes: trusted, so the trial measures it
     assert {"bf16", "dense", "powersgd"} <= set(a["order"]) and a["trial_order"] == a["order"]
-    assert a["order"] == ["dense", "powersgd", "hierarchical", "bf16"]  # all of them: nothing to shortlist,
+    # far apart, the round trips decide: a ring of 2 nodes pays 2 one-way latencies per allreduce,
+    # the flat ring of 4 ranks 6, and PowerSGD two allreduces (P, then Q) where bf16 needs one
+    far = a["far"]
+    assert far["hierarchical_bf16"] < far["hierarchical"] < far["bf16"] < far["dense"]
+    assert far["hierarchical_bf16"] < far["powersgd"] and a["far_choice"] == "hierarchical_bf16"
+    assert a["order"] == ["dense", "powersgd", "hierarchical", "bf16", "hierarchical_bf16"]  # nothing to shortlist,
     assert not a["probed"]  # so the links were never probed (unless asked: predict, below)
     n = 2 * len(a["order"])
     assert set(a["measured"]) == set(a["order"]) and all(t > 0 for t in a["measured"].values())

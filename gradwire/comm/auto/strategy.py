@@ -35,10 +35,10 @@ from .uncompressed import FasterUncompressed
 
 log = logging.getLogger("gradwire")
 #: candidates that do not compress: choosing dense for a bucket is worth a warning
-UNCOMPRESSED = ("dense", "bf16")
+UNCOMPRESSED = ("dense", "bf16", "hierarchical_bf16")
 
 #: The order candidates are modelled in: `candidates` sorts by time, so ties keep this order.
-MODEL_ORDER = ("dense", "allgather", "powersgd", "oktopk", "bf16", "hierarchical")
+MODEL_ORDER = ("dense", "allgather", "powersgd", "oktopk", "bf16", "hierarchical", "hierarchical_bf16")
 
 
 class Auto(Strategy):
@@ -149,8 +149,13 @@ class Auto(Strategy):
             self.nodes = Hierarchical(backend, between_nodes, ranks_per_node=per_node)
             self.subs["hierarchical"] = self.nodes
             self.subs["bf16"] = Allreduce(backend, "bf16", error_feedback=False)  # the cheap dense baseline
+            # bf16 between nodes only: one ring of `nodes` ranks crosses the slow links instead of
+            # all ranks', so a step pays far fewer round trips where they are long
+            self.subs["hierarchical_bf16"] = Hierarchical.beside(
+                self.nodes, lambda inter: Allreduce(inter, "bf16", error_feedback=False))
             self.warmup_strategy = FasterUncompressed(self.subs["dense"], self.subs["bf16"],
-                                                      margin=policy.TRIAL_MARGIN)
+                                                      margin=policy.TRIAL_MARGIN,
+                                                      hierarchical_bf16=self.subs["hierarchical_bf16"])
         self.trial = TimedTurns(backend, self.subs)  # (turns.py)
         if self.lowrank is None or not self.trials:
             self._measure_links()  # (the low-rank trial runs every candidate: nothing to shortlist)

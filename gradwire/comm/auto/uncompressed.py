@@ -1,8 +1,9 @@
-"""The faster of a dense and a bf16 allreduce, measured per bucket: `auto`'s dense first steps.
+"""The fastest uncompressed exchange, measured per bucket: `auto`'s dense first steps.
 
 A compressor's first steps stay uncompressed (PowerSGD's `start_iter`), and on a slow link a
-bf16 step, half the bytes, can take about half as long as a dense one, so `auto` spends those
-steps on whichever of the two is faster. bf16 rounds each gradient to 8 bits of mantissa, which
+bf16 step, half the bytes, can take about half as long as a dense one; on a link with a long
+round-trip time, bf16 between nodes only (`hierarchical_bf16`: fewer ranks in the slow ring,
+so fewer round trips) is faster still. `auto` spends those steps on whichever is fastest. bf16 rounds each gradient to 8 bits of mantissa, which
 in those first steps costs no measurable quality (docs/benchmarks.md).
 
 Tests: tests/hooks/test_ddp_hook.py (the DDP hook's uncompressed first steps under `auto` on two nodes).
@@ -25,17 +26,18 @@ log = logging.getLogger("gradwire")
 
 
 class FasterUncompressed(Strategy):
-    """Dense and bf16 take turns (turns.py), one step each: a round untimed, then `rounds` timed
-    rounds. Every bucket then keeps the faster, dense unless bf16 is more than `margin` faster
-    (the same on all ranks)."""
+    """The candidates (dense, bf16, ...) take turns (turns.py), one step each: a round untimed,
+    then `rounds` timed rounds. Every bucket then keeps the first in the given order that is
+    within `margin` of the fastest (the same on all ranks): dense unless another is clearly faster."""
 
     name = "uncompressed"
 
-    def __init__(self, dense: Strategy, bf16: Strategy, rounds: int = 4, margin: float = 0.03) -> None:
+    def __init__(self, dense: Strategy, bf16: Strategy, rounds: int = 4, margin: float = 0.03,
+                 **more: Strategy) -> None:
         super().__init__(dense.backend, "none", error_feedback=False)
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
-        self.subs = {"dense": dense, "bf16": bf16}
+        self.subs = {"dense": dense, "bf16": bf16, **more}
         self.rounds, self.margin = int(rounds), float(margin)
         self.choices: dict[str, str] | None = None  # bucket key -> "dense" or "bf16", once measured
         self.turns = TimedTurns(self.backend, self.subs)
@@ -48,7 +50,7 @@ class FasterUncompressed(Strategy):
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         if self.choices is None:
             if self.turns.phase is None:
-                self.turns.start(ctx.step, ["dense", "bf16"], untimed=1, timed=self.rounds)
+                self.turns.start(ctx.step, list(self.subs), untimed=1, timed=self.rounds)
             if self.turns.running(ctx.step):
                 return self.turns.exchange(x, key, ctx, average, self.into_input, shapes, keys)
             self._choose()
@@ -58,10 +60,10 @@ class FasterUncompressed(Strategy):
 
     def _choose(self) -> None:
         self.turns.agree()
-        self.choices = {b: "bf16" if t["bf16"] * (1 + self.margin) < t["dense"] else "dense"
+        self.choices = {b: next(n for n in self.subs if t[n] <= min(t.values()) * (1 + self.margin))
                         for b, t in self.measured_per_bucket.items()}
         log.info("gradwire auto: uncompressed steps per bucket: %s", "; ".join(
-            f"{b}: {self.choices[b]} (dense {t['dense'] * 1e3:.3f}, bf16 {t['bf16'] * 1e3:.3f} ms)"
+            f"{b}: {self.choices[b]} ({', '.join(f'{n} {s * 1e3:.3f}' for n, s in t.items())} ms)"
             for b, t in self.measured_per_bucket.items()))
 
     def take_stats(self) -> ExchangeStats:
