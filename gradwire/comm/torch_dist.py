@@ -6,17 +6,27 @@ turns into `CollectiveError` at `wait()`: every callback reads the collective's 
 first, so a failed allreduce never hands back its unreduced buffer. Gathered and all-to-all
 chunks are framed (framing.py) and sizes travel as fixed-layout int64 tensors: nothing a peer
 sends is unpickled. Sub-groups inherit the group's timeout.
+
+Striping (`stripes=K`, or `GRADWIRE_GLOO_STRIPES=K` as NCCL_NSOCKS_PERTHREAD is for NCCL): gloo
+moves a collective over one TCP connection per peer and waits on its peer at every ring step, so
+one allreduce cannot fill a link with a long round trip (docs/benchmarks.md: 39 of 100 Mbit/s at
+80 ms). With K stripes, an allreduce of at least `STRIPE_MIN_BYTES` is cut into K contiguous
+pieces allreduced at once over K groups of the same ranks (K connections). Every rank still gets
+the same sums (each piece is one ring's), so replicas stay identical. The extra groups are made
+at the first striped allreduce, which every rank reaches at the same point; ranks that were told
+different K raise ConfigMismatchError there, together.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, ConfigMismatchError
 from .backend import Backend, Work, _Failed, check_alltoall_claims, check_same_dtype, dtype_code
 from .framing import TRAILER, as_bytes, check_claims, check_frames, framed
 
@@ -38,12 +48,28 @@ def dense_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: dist.Process
     dist.reduce_scatter_tensor(out, x, op=op, group=group)
 
 
+STRIPE_MIN_BYTES = 256 * 1024  # smaller allreduces are round-trip bound: one connection is as fast
+STRIPES_ENV = "GRADWIRE_GLOO_STRIPES"
+
+
+def stripes_from_env() -> int:
+    """K of GRADWIRE_GLOO_STRIPES (1 when unset); anything but a positive integer raises ValueError."""
+    text = os.environ.get(STRIPES_ENV, "1").strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{STRIPES_ENV} must be a positive integer (connections per peer), got {text!r}")
+    return int(text)
+
+
 class TorchDistBackend(Backend):
     allreduce_identical = True  # ring reduce-scatter then allgather: one sum per element, copied
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, stripes: int | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first")
+        self.stripes = stripes_from_env() if stripes is None else int(stripes)
+        if self.stripes < 1:
+            raise ValueError(f"stripes must be >= 1, got {stripes}")
+        self._stripe_groups: list[dist.ProcessGroup | None] | None = None  # made at the first striped allreduce
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -82,7 +108,42 @@ class TorchDistBackend(Backend):
 
     # ---- collectives ---------------------------------------------------------------
     def allreduce(self, t: torch.Tensor) -> Work[torch.Tensor]:
+        if self.stripes > 1 and self.world_size > 1 and t.numel() * t.element_size() >= STRIPE_MIN_BYTES \
+                and t.is_contiguous():
+            return self._striped_allreduce(t)
         return self._async("allreduce", lambda: dist.all_reduce(t, group=self.group, async_op=True), lambda: t)
+
+    def _striped_allreduce(self, t: torch.Tensor) -> Work[torch.Tensor]:
+        """t's K contiguous pieces allreduced at once, each over its own group (connection)."""
+        groups = self._stripes()
+        pieces = t.view(-1).chunk(len(groups))
+        try:
+            futs = [dist.all_reduce(p, group=g, async_op=True).get_future() for p, g in zip(pieces, groups)]
+        except RuntimeError as e:  # the connection was already gone
+            raise self._error("allreduce", e) from e
+
+        def step(all_done: torch.futures.Future) -> Any:
+            for f in all_done.value():
+                try:
+                    f.value()
+                except Exception as e:  # noqa: BLE001 - the transport's error, named
+                    return _Failed(self._error("allreduce", e))
+            return t
+
+        return Work(future=torch.futures.collect_all(futs).then(step))
+
+    def _stripes(self) -> list[dist.ProcessGroup | None]:
+        if self._stripe_groups is None:
+            told = {row[0] for row in self.allgather_ints([self.stripes])}
+            if len(told) > 1:
+                raise ConfigMismatchError(f"ranks were told different numbers of gloo stripes ({STRIPES_ENV} or "
+                                          f"stripes=): {sorted(told)}; every rank must use the same")
+            ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r
+                     for r in range(self.world_size)]
+            extra = [dist.new_group(ranks=ranks, timeout=self.timeout, use_local_synchronization=True)
+                     for _ in range(self.stripes - 1)]
+            self._stripe_groups = [self.group, *extra]
+        return self._stripe_groups
 
     def allgather(self, t: torch.Tensor) -> Work[list[torch.Tensor]]:
         payload = as_bytes(t)
@@ -167,4 +228,4 @@ class TorchDistBackend(Backend):
         # only the members create their group, so the groups of other colors need not exist here;
         # the sub-group fails within the parent's timeout, not torch's 30-minute default
         group = dist.new_group(ranks=ranks, use_local_synchronization=True, sort_ranks=False, timeout=self.timeout)
-        return TorchDistBackend(group)
+        return TorchDistBackend(group, stripes=self.stripes)

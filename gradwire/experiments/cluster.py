@@ -24,6 +24,8 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
+from pathlib import Path
 from types import FrameType, TracebackType
 
 from .network import LINK_RE, RATE_RE, Network, parse_link, rate_bits
@@ -72,7 +74,8 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale() -> list[str]:
-    """Delete namespaces left by cluster owners that no longer run; returns their names."""
+    """Delete namespaces (and delayed wires' socket folders) left by cluster owners that no longer
+    run; returns their names."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     removed = []
     for line in out.splitlines():
@@ -81,6 +84,11 @@ def remove_stale() -> list[str]:
         if m and not _alive(int(m.group(1))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             removed.append(name)
+    for folder in Path(tempfile.gettempdir()).glob("gradwire-wan-*-*"):  # a killed owner's wire sockets
+        m = re.match(r"^gradwire-wan-(\d+)-", folder.name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
     return removed
 
 
@@ -174,12 +182,18 @@ class EmulatedCluster:
                 raise EmulationUnavailable(f"cannot create network namespaces here: {exc}") from exc
             self.namespaces.append(ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            switches.append(self.wires.switch(f"node{node}", ns, tap))
+            try:
+                switches.append(self.wires.switch(f"node{node}", ns, tap))
+            except RuntimeError as exc:
+                raise EmulationUnavailable(f"cannot build the delayed links: {exc}") from exc
             _run("ip", "-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", tap)
             _run("ip", "-n", ns, "link", "set", tap, "up")
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_rmem=4096 131072 {most}",
                  f"net.ipv4.tcp_wmem=4096 16384 {most}", "net.ipv4.tcp_slow_start_after_idle=0")
-        self.wires.connect(switches)
+        try:
+            self.wires.connect(switches)
+        except RuntimeError as exc:
+            raise EmulationUnavailable(f"cannot build the delayed links: {exc}") from exc
 
     def teardown(self) -> None:
         if self.wires is not None:

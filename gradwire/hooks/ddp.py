@@ -89,6 +89,18 @@ NEVER_CALLED_CAUSES = (
 SETTLED_STEP = 2
 
 
+def ddp_bucket_count(nbytes: list[int], cap: int, first: int = dist._DEFAULT_FIRST_BUCKET_BYTES) -> int:
+    """How many buckets DDP groups parameters of these sizes into once it has rebuilt them after
+    the first step: in reverse order, a bucket closes when it reaches `first` bytes (the first
+    bucket) or `cap` (the others). An estimate: DDP also splits by dtype and device."""
+    buckets, filled, limit = 0, 0, first
+    for n in reversed(nbytes):
+        filled += n
+        if filled >= limit:
+            buckets, filled, limit = buckets + 1, 0, cap
+    return max(buckets + (filled > 0), 1)
+
+
 class DDPConfig(ExchangeConfig):
     """The DDP hook's config: the shared rules (`gradwire.comm.config`), plus when compression
     starts (`start_iter`), DGC's density warm-up (`warmup`, `warmup_ratio`) and Adam before the
@@ -174,6 +186,7 @@ class GradwireState(PerRankState, EntryPoint):
         self._param_names: dict[int, str] = {}
         self._param_sizes: list[int] | None = None
         self._param_shapes: list[torch.Size] | None = None
+        self._param_buckets: int | None = None  # how many buckets DDP makes of them (auto prices each's rounds)
         self._held: list[tuple[_Bucket, torch.futures.Future | None]] = []  # buckets `clip=` holds back
         self._grad_norm: float | None = None  # this rank's gradient norm before clipping (with `clip=`)
         self._loaded = False  # whether a saved state was loaded (a resumed run without one warns)
@@ -211,6 +224,9 @@ class GradwireState(PerRankState, EntryPoint):
         self._param_names = {id(p): n for n, p in named}
         self._param_sizes = [p.numel() for _, p in named]
         self._param_shapes = [p.shape for _, p in named]
+        cap = getattr(model, "bucket_bytes_cap", None)
+        if cap:
+            self._param_buckets = ddp_bucket_count([p.numel() * p.element_size() for _, p in named], int(cap))
 
     def keys_of(self, bucket: dist.GradBucket) -> list[str] | None:
         """Stable names of the bucket's parameters, or None when no model is attached."""
@@ -237,6 +253,7 @@ class GradwireState(PerRankState, EntryPoint):
             if hasattr(self._strategy, "plan_sizes"):
                 self._strategy.plan_sizes = self._param_sizes
                 self._strategy.plan_shapes = self._param_shapes
+                self._strategy.plan_buckets = self.__dict__.get("_param_buckets")
             if self._pending_state is not None:
                 self._strategy.load_state_dict(self._pending_state)
                 self._pending_state = None

@@ -261,33 +261,69 @@ def test_auto_with_lowrank_candidates_trains_in_the_hook_and_ranks_agree():
 
 def _auto_warmup(rank: int, world: int) -> dict:
     options = {"strategy": "auto", "inner": "powersgd", "rank": 2, "ranks_per_node": 2, "trials": 1,
-               "start_iter": 14}
-    model, _, state, losses = train(rank, "none", 20, options)
+               "start_iter": 19}
+    model, _, state, losses = train(rank, "none", 22, options)
     warm = state.strategy.warmup_strategy
     out = {"params": params(model), "losses": losses, "buckets": [h["buckets"] for h in state.history],
-           "warm_choices": warm.choices, "warm_times": warm.measured_per_bucket}
+           "warm_choices": warm.choices, "warm_times": warm.measured_per_bucket,
+           "plan_buckets": state.strategy.plan_buckets,
+           "ddp_buckets": gw_ddp.ddp_bucket_count([p.numel() * p.element_size() for p in model.parameters()],
+                                                  model.bucket_bytes_cap)}
     dist.barrier()  # the hierarchical candidate's sub-groups outlive every pending callback
     return out
 
 
-def test_auto_spends_its_dense_first_steps_on_the_faster_of_dense_and_bf16():
-    """auto on two nodes: the hook's uncompressed steps after the second go to dense and bf16 in
-    turns (an untimed round, 4 timed), then each bucket keeps the faster until compression
-    starts; all ranks choose alike and keep bit-identical replicas."""
+def test_auto_spends_its_dense_first_steps_on_the_fastest_uncompressed_exchange():
+    """auto on two nodes: the hook's uncompressed steps after the second go to dense, bf16 and
+    bf16 between nodes only in turns (an untimed round, 4 timed), then each bucket keeps the
+    fastest (dense unless another is 3% faster) until compression starts; all ranks choose alike
+    and keep bit-identical replicas."""
     results = run_ranks(_auto_warmup, 4, timeout=300)
     a = results[0]
-    names = {"dense": "dense", "bf16": "allreduce"}  # (bf16 is recorded under its strategy's name)
+    order = ("dense", "bf16", "hierarchical_bf16")
+    # (recorded under their strategies' names: bf16 is an allreduce, hierarchical_bf16 one between nodes)
+    names = {"dense": {"dense"}, "bf16": {"allreduce"}, "hierarchical_bf16": {"hierarchical", "allreduce"}}
     assert [set(b.values()) for b in a["buckets"][:2]] == [{"dense"}, {"dense"}]  # DDP settles its buckets
-    for step in range(2, 12):  # the turns: dense, bf16, dense, ...
-        assert set(a["buckets"][step].values()) == {names[("dense", "bf16")[step % 2]]}, step
-    assert set(a["warm_choices"]) == set(a["buckets"][12]) and len(a["warm_choices"]) > 1
-    for step in (12, 13):  # each bucket's own pick, from the mean of the ranks' times
+    for step in range(2, 17):  # the turns: dense, bf16, hierarchical_bf16, dense, ...
+        assert set(a["buckets"][step].values()) == names[order[(step - 2) % 3]], step
+    assert set(a["warm_choices"]) == set(a["buckets"][17]) and len(a["warm_choices"]) > 1
+    assert a["plan_buckets"] == a["ddp_buckets"] >= 1  # what auto prices each candidate's rounds by
+    for step in (17, 18):  # each bucket's own pick, from the mean of the ranks' times
         for bucket, choice in a["warm_choices"].items():
-            assert a["buckets"][step][bucket] == names[choice]
+            assert {a["buckets"][step][bucket]} <= names[choice]
     for bucket, times in a["warm_times"].items():
-        assert all(t > 0 for t in times.values())
-        assert a["warm_choices"][bucket] == ("bf16" if times["bf16"] * 1.03 < times["dense"] else "dense")
+        assert all(t > 0 for t in times.values()) and list(times) == list(order)
+        assert a["warm_choices"][bucket] == next(n for n in order if times[n] <= min(times.values()) * 1.03)
     assert all(math.isfinite(x) for x in a["losses"])
     for r in results[1:]:
         assert (r["warm_choices"], r["warm_times"]) == (a["warm_choices"], a["warm_times"])
         assert all(torch.equal(x, y) for x, y in zip(r["params"], a["params"]))
+
+
+def _bucket_counts(rank: int, world: int) -> list[tuple[int, int, int]]:
+    out = []
+    for widths, cap_mb in (([64, 64], 25.0), ([512, 512, 512, 512], 1.0), ([1024, 2048, 1024], 4.0)):
+        layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
+        model = DDP(nn.Sequential(*layers), bucket_cap_mb=cap_mb)
+        seen: set[int] = set()
+
+        def count(_, bucket):  # (unannotated: DDP checks annotations against its own types)
+            seen.add(bucket.index())
+            return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+        model.register_comm_hook(None, count)
+        for _ in range(2):  # (DDP rebuilds its buckets after the first step)
+            seen.clear()
+            model(torch.randn(2, widths[0])).sum().backward()
+        sizes = [p.numel() * p.element_size() for p in model.parameters()]
+        out.append((len(seen), gw_ddp.ddp_bucket_count(sizes, model.bucket_bytes_cap), len(sizes)))
+    return out
+
+
+def test_auto_prices_round_trips_per_bucket_as_ddp_buckets_the_model():
+    """`auto` pays each candidate's rounds once per bucket; the hook counts the buckets as DDP makes
+    them from the second step on (the first up to 1 MiB, then bucket_cap_mb), checked against real DDP."""
+    counts = run_ranks(_bucket_counts, 2)[0]
+    for seen, estimated, tensors in counts:
+        assert seen == estimated, (seen, estimated, tensors)
+    assert [seen for seen, _, _ in counts] != [1, 1, 1]  # the models do make several

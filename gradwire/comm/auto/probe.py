@@ -18,13 +18,17 @@ from ..backend import Backend
 from ..links import CostModel
 
 
-def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int = 5,
+def measure(backend: Backend, small: int = 4096, large: int = 1 << 20, repeat: int = 5,
             enough_s: float = 0.1, start: int = 1 << 18) -> CostModel:
-    """Fit alpha and beta from timed allreduces of `small` float32 elements and of a large size
-    grown 4x at a time from `start` until one allreduce takes `enough_s` (or reaches `large`):
-    on a fast link that is `large`, on a 20 Mbit/s link `start` (1 MB, well past the bursts a
-    shaper lets through at line rate), so a slow network is not probed for many seconds. The
-    ranks agree on each step (the mean of their times decides), so they run the same collectives."""
+    """Fit alpha and beta through two timed allreduces: of `small` float32 elements (16 KB) and
+    of a large size grown 4x at a time from `start` until one allreduce takes `enough_s` (or
+    reaches `large`): on a fast link that is `large`, on a 20 Mbit/s link `start` (1 MB, well
+    past the bursts a shaper lets through at line rate), so a slow network is not probed for
+    many seconds. The small size is a gradient bucket's smallest, not one element: gloo sends a
+    few bytes in one round trip whatever the ranks, but anything larger in its ring's 2(P-1)
+    steps, each waiting on a peer, so one element would put alpha a ring's length too low on a
+    link with a long round trip. The ranks agree on each step (the mean of their times decides),
+    so they run the same collectives."""
     world = backend.world_size
 
     def timed(n: int) -> float:
@@ -46,8 +50,9 @@ def measure(backend: Backend, small: int = 1, large: int = 1 << 20, repeat: int 
         t_large = timed(n)
     large = n
     steps = max(2 * (world - 1), 1)
-    alpha = max(t_small / steps, 1e-7)
-    beta = max((t_large - t_small) / (2 * (world - 1) / world * 4 * (large - small)) if world > 1 else 1e-10, 1e-12)
+    share = 2 * (world - 1) / world * 4  # bytes on each rank's link per element allreduced
+    beta = max((t_large - t_small) / (share * (large - small)) if world > 1 and large > small else 1e-10, 1e-12)
+    alpha = max((t_small - share * small * beta) / steps, 1e-7)
     agreed = torch.tensor([alpha, beta], dtype=torch.float64)
     backend.allreduce(agreed).wait()
     alpha, beta = (agreed / world).tolist()

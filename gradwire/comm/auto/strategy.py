@@ -6,9 +6,14 @@ through error feedback when it is on (`gamma_encode`, `gamma_decode`). Each cand
 itself (`Strategy.modelled_seconds`, on the links of links.py); auto only measures the links
 (probe.py), asks, and chooses (policy.py). alpha (s) and beta (s/byte) are measured once at
 start-up, then averaged over ranks so every rank holds the same numbers and makes the same
-choice for every bucket.
+choice for every bucket. alpha is the latency of one round (on a link with a long round trip,
+about a one-way trip: the probe fits it from bucket-sized allreduces, not from a few bytes), and
+every candidate pays its rounds once per bucket of the step (`per_step`), so where round trips
+are long the candidates of fewer sequential rounds win: bf16 between nodes only
+(`hierarchical_bf16`, a ring of the nodes instead of all ranks) on several nodes.
 
-Tests: tests/comm/test_auto.py (choices, trial, near-ties, low-rank candidates, on real gloo ranks).
+Tests: tests/comm/test_auto.py (choices, trial, near-ties, low-rank candidates, on real gloo ranks);
+tests/experiments/test_wan.py (the probe across a 40 ms link).
 """
 
 from __future__ import annotations
@@ -39,6 +44,17 @@ UNCOMPRESSED = ("dense", "bf16", "hierarchical_bf16")
 
 #: The order candidates are modelled in: `candidates` sorts by time, so ties keep this order.
 MODEL_ORDER = ("dense", "allgather", "powersgd", "oktopk", "bf16", "hierarchical", "hierarchical_bf16")
+
+
+def per_step(links: Links, buckets: int) -> Links:
+    """The links as a step of `buckets` exchanges sees them: every collective's rounds are paid
+    once per bucket (alpha x buckets) while the bytes are the step's, so a candidate of more
+    rounds per exchange (PowerSGD: three allreduces; the flat ring: 2(P-1) steps) costs more on
+    a link with a long round trip."""
+    def scaled(m: CostModel | None) -> CostModel | None:
+        return None if m is None else CostModel(m.alpha * buckets, m.beta)
+
+    return Links(scaled(links.flat), scaled(links.intra), scaled(links.inter))  # type: ignore[arg-type]
 
 
 class Auto(Strategy):
@@ -104,7 +120,8 @@ class Auto(Strategy):
             raise ValueError("give both gamma_encode and gamma_decode, or neither")
         c = self.compressor
         self.plan_sizes: list[int] | None = None
-        self.plan_shapes: list[torch.Size] | None = None  # (the DDP hook sets both from the model)
+        self.plan_shapes: list[torch.Size] | None = None  # (the DDP hook sets these from the model)
+        self.plan_buckets: int | None = None  # exchanges per step, each paying its own round trips
         self.choice: str | None = None
         if int(trials) < 0:
             raise ValueError(f"trials must be >= 0, got {trials}")
@@ -217,7 +234,7 @@ class Auto(Strategy):
                 log.info("gradwire auto: encode %.3g s/elem, decode %.3g s/elem (on the %d tensors, "
                          "error feedback %s)", *self.gamma, len(sizes), self._feedback)
             work = replace(work, encode_s=self.gamma[0], decode_s=self.gamma[1])
-        links = Links(flat, self.intra_model, self.inter_model)
+        links = per_step(Links(flat, self.intra_model, self.inter_model), self.plan_buckets or 1)
         names = [n for n in MODEL_ORDER if n in self.subs] + [n for n in self.subs if n not in MODEL_ORDER]
         times = {}
         for name in names:
