@@ -10,11 +10,13 @@ says up to which rate this machine emulates a link honestly. Needs root, vde2, p
 
     python benchmarks/wan_links.py                      # the table in docs/benchmarks.md
     python benchmarks/wan_links.py --quick              # 3 s per measurement
+    python benchmarks/wan_links.py --auto               # what auto's probe measures on 2 nodes x 2 ranks
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -88,6 +90,32 @@ def gloo_mbit(c: EmulatedCluster, nbytes: int) -> dict[int, float]:
     return {k: nbytes * 8 / t / 1e6 for k, t in took.items()}  # a 2-rank allreduce moves nbytes each way
 
 
+AUTO = """
+import json, sys, torch.distributed as dist
+from gradwire.comm.torch_dist import TorchDistBackend
+from gradwire.comm.auto import Auto
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://{sys.argv[2]}:29547", rank=rank, world_size=4)
+auto = Auto(TorchDistBackend(), "topk:ratio=0.01", ranks_per_node=2, trials=0)
+if rank == 0:
+    print(json.dumps({level: [m.alpha, m.beta] for level, m in
+                      (("flat", auto.model), ("intra", auto.intra_model), ("inter", auto.inter_model))}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def auto_probe(link: str) -> dict[str, list[float]]:
+    """auto's alpha (s per round) and beta (s per byte) per level, on 2 nodes x 2 ranks."""
+    with EmulatedCluster(4, link, ranks_per_node=2) as c:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
+        procs = [subprocess.Popen(c.prefix(r) + [sys.executable, "-c", AUTO, str(r), c.address(0)],
+                                  env=dict(env, GLOO_SOCKET_IFNAME=c.iface(r)), stdout=subprocess.PIPE, text=True)
+                 for r in range(4)]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
 def measure(link: str, seconds: float, pings: int) -> dict:
     net = parse_link(link)
     with EmulatedCluster(2, link) as c:
@@ -107,7 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--links", default="100mbit-rtt20ms,100mbit-rtt40ms,100mbit-rtt80ms,1gbit-rtt40ms")
     p.add_argument("--quick", action="store_true", help="3 s per goodput measurement, 10 pings")
+    p.add_argument("--auto", action="store_true", help="instead: auto's link probe on 2 nodes x 2 ranks per link")
     args = p.parse_args(argv)
+    if args.auto:
+        print("| link | level | alpha (ms per round) | 1/beta (Mbit/s) |")
+        print("|---|---|---|---|")
+        for link in args.links.split(","):
+            for level, (alpha, beta) in auto_probe(link.strip()).items():
+                print(f"| {link} | {level} | {alpha * 1e3:.3f} | {8e-6 / beta:.0f} |", flush=True)
+        return 0
     seconds, pings = (3.0, 10) if args.quick else (10.0, 20)
     print("| link | RTT set | ping median (min-max) | within 10% | TCP, 1 stream | gloo allreduce, 2 ranks "
           "| the same over 4 stripes | emulator CPU (cores) | cores per Gbit/s |")

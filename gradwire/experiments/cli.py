@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "inside a node is never delayed)")
     p.add_argument("--jitter", default="0ms", help="jitter of the round-trip time (each one-way delay varies "
                                                    "uniformly within +-jitter/2); needs --rtt")
-    p.add_argument("--loss", type=float, default=0.0, help="packet loss between nodes, percent; needs --rtt")
+    p.add_argument("--loss", type=float, default=0.0, help="packet loss between two nodes, percent of the packets each way; needs --rtt")
     p.add_argument("--network", default="",
                    help="comma list of named networks, added to --links: " + "; ".join(
                        f"{name}: {n.rate}" + (f", RTT {n.rtt_ms:g} ms" if n.rtt_ms else ", no added delay")

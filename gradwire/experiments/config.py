@@ -11,6 +11,7 @@ from typing import Any
 from gradwire.comm.config import accepted_options, split_method
 from gradwire.comm.registry import traits
 from gradwire.compress import compressor as make_compressor, resolve_error_feedback
+from gradwire.outer import OuterConfig
 
 SPARSIFIERS = ("topk", "randomk", "dgc")
 ENGINES = ("ddp", "fsdp", "hsdp")
@@ -25,6 +26,7 @@ class Method:
     strategy: str
     options: dict[str, Any] = field(default_factory=dict)
     error_feedback: bool = True
+    outer: dict[str, Any] = field(default_factory=dict)  # DiLoCo's settings (gradwire.outer); empty: per step
 
 
 def parse_method(spec: str, strategy: str = "default", error_feedback: str = "auto", min_numel: int = 0) -> Method:
@@ -34,6 +36,8 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
     spec = spec.strip()
     if spec in ("none", "dense"):
         return Method("dense", "none", "dense", {}, False)
+    if spec.split("+")[0].split(":")[0].split("@")[0] == "diloco":
+        return _diloco(spec, error_feedback)
     label = spec
     compressor, via, named = split_method(spec)  # the hooks' own spelling; raises ValueError naming what was wrong
     if compressor == "none" and via is not None and (via == "powersgd" or named.get("inner") == "powersgd"):
@@ -50,6 +54,36 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
     takes_min_numel = "min_numel" in (accepted_options(traits(chosen), {}) or ())
     options = {"min_numel": min_numel} if min_numel and takes_min_numel else {}
     return Method(label, canonical, chosen, options, ef)
+
+
+OUTER_OPTIONS = {"H": "sync_every", "fragments": "fragments", "delay": "delay", "mix": "mix",
+                 "outer_lr": "outer_lr", "momentum": "momentum"}
+
+
+def _diloco(spec: str, error_feedback: str) -> Method:
+    """`diloco:H=100[,fragments=F,delay=T,mix=A,outer_lr=..,momentum=..][+compressor][@strategy]`: replicas
+    that train alone and average their pseudo-gradients every H steps (gradwire.outer), through the
+    compressor (default none) and strategy (allreduce for summable payloads, else allgather)."""
+    head, plus, rest = spec.partition("+")
+    head, at, via = head.partition("@")
+    if at and plus:
+        raise ValueError(f"{spec!r}: put the strategy after the compressor, e.g. diloco:H=100+int8@allgather")
+    rest, at2, via2 = rest.partition("@")
+    via = (via or via2).strip()
+    _, _, args = head.partition(":")
+    outer: dict[str, Any] = {}
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in OUTER_OPTIONS:
+            raise ValueError(f"diloco takes {', '.join(f'{k}=' for k in OUTER_OPTIONS)}; got {item!r} in {spec!r}")
+        number = float(value)
+        outer[OUTER_OPTIONS[key.strip()]] = int(number) if number.is_integer() and key.strip() != "mix" else number
+    if "sync_every" not in outer:
+        raise ValueError(f"{spec!r}: say how often replicas sync, e.g. diloco:H=100")
+    OuterConfig(**outer)  # (checks the numbers: a bad one fails before anything runs)
+    c = make_compressor(rest.strip() or "none")
+    strategy = via or ("allreduce" if c.summable else "allgather")
+    return Method(spec, str(c), strategy, {}, resolve_error_feedback(error_feedback, c), outer)
 
 
 def _powersgd(strategy: str, options: dict[str, Any], error_feedback: str) -> Method:

@@ -48,7 +48,7 @@ def tcp_buffer_bytes(net: Network) -> int:
 
 
 class Wires:
-    """The vde switches and wires of one emulated cluster; `start` per node, then `connect`."""
+    """The vde switches and wires of one emulated cluster: a `switch` per node, then `connect`."""
 
     def __init__(self, net: Network, owner: int) -> None:
         self.net = net

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import gradwire.hooks.ddp
 from ..comm.torch_dist import TorchDistBackend
+from ..outer import DiLoCo
 from .config import RunConfig
 from .tasks import Dataset, Task, digest, get_task
 
@@ -119,6 +120,28 @@ def link_tx_bytes() -> int | None:
         return None
 
 
+class _OuterStats:
+    """A DiLoCo replica's bytes per step, read like the DDP state's `last_stats`: the syncs that
+    completed in the step (none on most steps), summed."""
+
+    def __init__(self, outer: DiLoCo) -> None:
+        self.outer = outer
+        self.seen = 0
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        new, self.seen = self.outer.stats[self.seen:], len(self.outer.stats)
+        return {k: sum(s[k] for s in new) for k in ("bytes_sent", "dense_bytes")} if new else {}
+
+    def global_model(self) -> torch.nn.Module:
+        """The weights of the last sync, as DiLoCo evaluates (a copy: the replica trains on)."""
+        model = copy.deepcopy(self.outer.model)
+        with torch.no_grad():
+            for p, g in zip((p for p in model.parameters() if p.requires_grad), self.outer.globals):
+                p.copy_(g)
+        return model
+
+
 class _FSDPStats:
     """The DDP state's `last_stats`, read from the FSDP hook's per-step totals."""
 
@@ -159,6 +182,10 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
                                               replicate_group=mesh["replicate"].get_group(),
                                               error_feedback=method.error_feedback, seed=cfg.seed,
                                               **method.options))
+    elif method.outer:  # DiLoCo: every rank a replica training alone, syncing every H steps
+        ddp = model
+        state = _OuterStats(DiLoCo(model, compressor=method.compressor, strategy=method.strategy,
+                                   error_feedback=method.error_feedback, seed=cfg.seed, **method.outer))
     else:
         # own BatchNorm statistics per rank: buffer broadcasts would be traffic the hook does not count
         ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
@@ -185,7 +212,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
 
     def log_eval(step: int) -> dict[str, float]:
         # FSDP's forward all-gathers parameters: every rank evaluates, rank 0 records
-        metrics = evaluate(model, task, ds) if rank == 0 or cfg.engine != "ddp" else {}
+        evaluated = state.global_model() if isinstance(state, _OuterStats) else model
+        metrics = evaluate(evaluated, task, ds) if rank == 0 or cfg.engine != "ddp" else {}
         log({"type": "eval", "step": step, "epoch": epochs(step), "wall_s": wall,
              "cum_bytes_sent": totals["bytes_sent"], **metrics})
         return metrics
@@ -202,6 +230,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         loss.backward()
         opt.step()
         schedule.step()
+        if isinstance(state, _OuterStats):
+            state.outer.step()
         step_s = time.perf_counter() - t0
         wall += step_s
         step_times.append(step_s)
@@ -218,6 +248,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
              "dense_bytes": int(stats.get("dense_bytes", 0)), "cum_bytes_sent": totals["bytes_sent"], "wall_s": wall})
         if not math.isfinite(float(loss)):
             raise FloatingPointError(f"rank {rank}: loss became {float(loss)} at step {step}")
+        if isinstance(state, _OuterStats) and step == cfg.steps:
+            state.outer.finish()  # (a streamed fragment still in flight lands before the last evaluation)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics = log_eval(step)
     dist.barrier()  # every rank of every node is done sending: the link counters cover all training steps

@@ -86,6 +86,7 @@ class DiLoCo:
                  nesterov: bool = True, error_feedback: bool | str = "auto", **exchange_options: Any) -> None:
         self.config = OuterConfig(int(sync_every), int(fragments), int(delay), float(mix), float(outer_lr),
                                   float(momentum), bool(nesterov))
+        self.model = model
         self.backend = backend if backend is not None else TorchDistBackend()
         named = [(n, p) for n, p in getattr(model, "module", model).named_parameters() if p.requires_grad]
         if not named:

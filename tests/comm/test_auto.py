@@ -131,14 +131,15 @@ def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
     assert a["choices"] == b["choices"] and a["measured"] == b["measured"]
     assert set(a["measured"]) == set(a["order"]) and all(0 < t < 0.2 for t in a["measured"].values())
     assert a["choices"][n] == prefer(a["measured"], margin=TRIAL_MARGIN)
-    # each bucket has its own times and choice; the overall times are their sums
+    # a turn costs its step's span, from the first bucket's exchange to the last one's result: here
+    # the buckets are waited for one after the other, so it holds both; each bucket's own time is kept
+    # for the logs, and every bucket takes the step's choice
     assert set(a["per_bucket"]) == set(a["bucket_choices"]) == {"0", "1"}
     assert a["per_bucket"] == b["per_bucket"] and a["bucket_choices"] == b["bucket_choices"]
-    for bucket, times in a["per_bucket"].items():
-        assert a["bucket_choices"][bucket] == prefer(times, margin=TRIAL_MARGIN)
-    for name, total in a["measured"].items():
-        assert abs(total - sum(t[name] for t in a["per_bucket"].values())) < 1e-12
-    for bucket, choice in a["bucket_choices"].items():  # the last step used each bucket's own choice
+    assert set(a["bucket_choices"].values()) == {a["choices"][n]}
+    for name, span in a["measured"].items():
+        assert span >= sum(t[name] for t in a["per_bucket"].values()) - 1e-9
+    for bucket, choice in a["bucket_choices"].items():  # the last step used the choice
         assert a["used"][bucket] == {"bf16": "allreduce"}.get(choice, choice)
     for x, y in zip(a["outs"], b["outs"]):
         assert torch.equal(x, y)

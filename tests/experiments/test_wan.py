@@ -166,7 +166,8 @@ def test_jitter_and_loss_reach_the_wire() -> None:
         lossy = _pings(c, 0, 1, count=60)
     # each one-way delay 20 +- 10 ms: round trips spread over 40 +- 20 ms
     assert max(jittery) - min(jittery) > 5.0 and all(19.0 <= t <= 63.0 for t in jittery), jittery
-    assert 10 <= 60 - len(lossy) <= 35  # about 30% of 60 echo requests or replies lost
+    # 30% lost each way: an echo comes back with probability 0.7 x 0.7, so about 31 of 60 are lost
+    assert 20 <= 60 - len(lossy) <= 42, len(lossy)
 
 
 @needs_root

@@ -265,7 +265,7 @@ def _auto_warmup(rank: int, world: int) -> dict:
     model, _, state, losses = train(rank, "none", 22, options)
     warm = state.strategy.warmup_strategy
     out = {"params": params(model), "losses": losses, "buckets": [h["buckets"] for h in state.history],
-           "warm_choices": warm.choices, "warm_times": warm.measured_per_bucket,
+           "warm_choices": warm.choices, "warm_times": warm.measured_per_bucket, "warm_steps": warm.measured,
            "plan_buckets": state.strategy.plan_buckets,
            "ddp_buckets": gw_ddp.ddp_bucket_count([p.numel() * p.element_size() for p in model.parameters()],
                                                   model.bucket_bytes_cap)}
@@ -275,9 +275,9 @@ def _auto_warmup(rank: int, world: int) -> dict:
 
 def test_auto_spends_its_dense_first_steps_on_the_fastest_uncompressed_exchange():
     """auto on two nodes: the hook's uncompressed steps after the second go to dense, bf16 and
-    bf16 between nodes only in turns (an untimed round, 4 timed), then each bucket keeps the
-    fastest (dense unless another is 3% faster) until compression starts; all ranks choose alike
-    and keep bit-identical replicas."""
+    bf16 between nodes only in turns (an untimed round, 4 timed), then every bucket takes the one
+    whose steps were fastest (dense unless another is 3% faster) until compression starts; all
+    ranks choose alike and keep bit-identical replicas."""
     results = run_ranks(_auto_warmup, 4, timeout=300)
     a = results[0]
     order = ("dense", "bf16", "hierarchical_bf16")
@@ -291,9 +291,12 @@ def test_auto_spends_its_dense_first_steps_on_the_fastest_uncompressed_exchange(
     for step in (17, 18):  # each bucket's own pick, from the mean of the ranks' times
         for bucket, choice in a["warm_choices"].items():
             assert {a["buckets"][step][bucket]} <= names[choice]
-    for bucket, times in a["warm_times"].items():
+    steps = a["warm_steps"]  # each candidate's step span: the choice for every bucket
+    assert list(steps) == list(order) and all(t > 0 for t in steps.values())
+    best = next(n for n in order if steps[n] <= min(steps.values()) * 1.03)
+    assert set(a["warm_choices"].values()) == {best}
+    for times in a["warm_times"].values():
         assert all(t > 0 for t in times.values()) and list(times) == list(order)
-        assert a["warm_choices"][bucket] == next(n for n in order if times[n] <= min(times.values()) * 1.03)
     assert all(math.isfinite(x) for x in a["losses"])
     for r in results[1:]:
         assert (r["warm_choices"], r["warm_times"]) == (a["warm_choices"], a["warm_times"])

@@ -69,11 +69,11 @@ class Auto(Strategy):
     not depend on how tensors are grouped into buckets. The model only shortlists: with
     `trials=N` (default 2) each shortlisted candidate, dense and bf16 always among them, runs
     one untimed step and N timed ones, with its encode and decode, and the ranks choose by the
-    mean of their times, within `TRIAL_MARGIN`, for each bucket (`choices`; `choice`, from the
-    buckets' summed times, serves a bucket the trial did not see, such as a resumed DDP's first
-    grouping): a bucket of small tensors may stay dense while a large one is compressed. The
-    candidates take turns, one step each (turns.py says why). Candidates within `TRIAL_CLOSE` of
-    the fastest (each bucket's fastest, summed) are then timed `settle` more turns each (default
+    mean of their steps' spans, within `TRIAL_MARGIN` (`choice`, and `choices` per bucket, all
+    alike): a step's span counts how its buckets' exchanges overlap each other and the backward
+    pass, which summed per-bucket times do not (where round trips are long, two buckets in flight
+    together cost one round trip, not two). The candidates take turns, one step each (turns.py
+    says why). Candidates within `TRIAL_CLOSE` of the fastest are then timed `settle` more turns each (default
     3 x trials): two timed turns of exchanges a few milliseconds long cannot tell bf16 from
     dense, and the extra turns cost little, every candidate in them being about as fast as the
     best. Why measure: the model misses what compression costs besides the wire (per-tensor
@@ -90,7 +90,7 @@ class Auto(Strategy):
     `predict` is asked, by every rank at once.
 
     On several nodes, the DDP hook's uncompressed first steps (`start_iter`) go to
-    `warmup_strategy`: dense or bf16, whichever is faster per bucket, timed in turns."""
+    `warmup_strategy`: dense, bf16 or bf16 between nodes only, whichever steps fastest, timed in turns."""
 
     name = "auto"
     TRAITS = StrategyTraits("auto", frozenset({"alpha", "beta", "gamma_encode", "gamma_decode", "min_numel",
@@ -279,14 +279,14 @@ class Auto(Strategy):
         trial.agree()
         phase = trial.phase
         assert phase is not None
-        mix = sum(min(t.values()) for t in self.measured_per_bucket.values())  # each bucket's fastest
-        close = [n for n in phase.order if self.measured[n] <= (1 + policy.TRIAL_CLOSE) * mix]
+        fastest = min(self.measured.values())  # (a step's span: its buckets' overlap counted)
+        close = [n for n in phase.order if self.measured[n] <= (1 + policy.TRIAL_CLOSE) * fastest]
         self._timings = {**self._timings, **self.measured}  # (every candidate's, for the warning)
         if phase.untimed and self.settle and len(close) > 1:
             trial.start(ctx.step, close, untimed=0, timed=self.settle)
             return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
         self.choice = policy.prefer(self.measured, margin=policy.TRIAL_MARGIN)
-        self.choices = {b: policy.prefer(t, margin=policy.TRIAL_MARGIN) for b, t in self.measured_per_bucket.items()}
+        self.choices = {b: self.choice for b in self.measured_per_bucket}  # (timed by whole steps: one for all)
         log.info("gradwire auto: %s after a timed trial (turns: %s): %s; per bucket: %s", self.choice,
                  ", ".join(f"{n} {c}" for n, c in trial.turns.items()),
                  ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()),

@@ -2,11 +2,16 @@
 
 Candidates take turns, one step each, so drift over the measurement (a shared host, a link's
 bursts) hits all of them alike, and a first untimed round pays for connections, allocations and
-compiling. A timed turn starts with a 1-element allreduce, so a rank still busy with its own work
-(rank 0's evaluation) is not counted as the exchange's cost, and it waits for the exchange, so
-the time is the exchange's alone. After a phase the ranks average their times with one
-allreduce, reached at the same bucket on every rank, so every rank holds the same numbers and
-makes the same choice.
+compiling. A timed turn starts with a 1-element allreduce at its step's first bucket, so a rank
+still busy with its own work (rank 0's evaluation) is not counted as the exchange's cost. What
+a turn costs is its step's span: from its first bucket's exchange to the last one's result. The
+exchanges run as they will after the trial (asynchronously, the buckets' collectives in flight
+together and beside the backward pass), so a candidate that blocks the step (`hierarchical`
+waits inside a node) is charged for it and one whose buckets overlap is not charged twice: on a
+link with long round trips that is the difference between 2 x 300 ms and 325 ms. Each bucket's
+own time (issue to result) is kept too, for the logs. After a phase the ranks average their
+times with one allreduce, reached at the same bucket on every rank, so every rank holds the
+same numbers and makes the same choice.
 
 Tests: tests/comm/test_auto.py (the trial and its near-ties), tests/hooks/test_ddp_hook.py (the
 uncompressed first steps).
@@ -14,6 +19,7 @@ uncompressed first steps).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -38,8 +44,8 @@ class Phase:
 
 
 class TimedTurns:
-    """Runs phases of turns among `subs` and keeps each candidate's mean seconds per timed turn,
-    per bucket (`measured_per_bucket`) and summed over buckets (`measured`), over all phases."""
+    """Runs phases of turns among `subs` and keeps each candidate's mean seconds per timed turn:
+    the step's span (`measured`) and each bucket's own time (`measured_per_bucket`), over all phases."""
 
     def __init__(self, backend: Backend, subs: dict[str, Strategy]) -> None:
         self.backend, self.subs = backend, subs
@@ -48,7 +54,10 @@ class TimedTurns:
         self.measured: dict[str, float] = {}
         self.measured_per_bucket: dict[str, dict[str, float]] = {}
         self._spent: dict[str, dict[str, float]] = {}  # this phase, this rank: bucket -> candidate -> s
+        self._spans: dict[int, tuple[str, float, float]] = {}  # this phase: step -> (candidate, start, last end)
         self._agreed: dict[str, dict[str, float]] = {}  # earlier phases, over ranks: the same, summed
+        self._agreed_spans: dict[str, float] = {}
+        self._lock = threading.Lock()  # (results arrive on the transport's threads)
 
     def start(self, step: int, order: list[str], untimed: int, timed: int) -> None:
         self.phase = Phase(step, list(order), untimed, timed)
@@ -59,39 +68,54 @@ class TimedTurns:
 
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool, into_input: bool,
                  shapes: list[torch.Size] | None, keys: list[str] | None) -> Work[torch.Tensor]:
-        """This step's turn (synchronous): its candidate exchanges x, timed unless the round is untimed."""
+        """This step's turn: its candidate exchanges x, timed unless the round is untimed."""
         phase = self.phase
         assert phase is not None and self.running(ctx.step)
         turn = ctx.step - phase.first
         name = phase.order[turn % len(phase.order)]
         sub = self.subs[name]
         sub.into_input = into_input
-        timed = turn >= phase.untimed * len(phase.order)
-        if timed:
+        if turn < phase.untimed * len(phase.order):
+            return sub.exchange(x, key, ctx, average, shapes, keys)
+        step, bucket = ctx.step, str(key)
+        if step not in self._spans:
             self.backend.allreduce(torch.zeros(1)).wait()  # start together
+            self._spans[step] = (name, time.perf_counter(), 0.0)
+        self._spent.setdefault(bucket, {})  # (buckets in the order issued, alike on all ranks)
         began = time.perf_counter()
-        out = sub.exchange(x, key, ctx, average, shapes, keys).wait()
-        if timed:
-            spent = self._spent.setdefault(str(key), {})  # (buckets in the order first seen, alike on all ranks)
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
-        return Work.done(out)
+
+        def done(out: torch.Tensor) -> torch.Tensor:
+            now = time.perf_counter()
+            with self._lock:
+                spent = self._spent[bucket]
+                spent[name] = spent.get(name, 0.0) + now - began
+                who, start, end = self._spans[step]
+                self._spans[step] = (who, start, max(end, now))
+            return out
+
+        return sub.exchange(x, key, ctx, average, shapes, keys).then(done)
 
     def agree(self) -> None:
-        """Fold the phase's times, averaged over ranks with one allreduce, into the means."""
+        """Fold the phase's times, averaged over ranks with one allreduce, into the means. Every
+        exchange of the phase has completed (DDP waits for a step's buckets before the next)."""
         phase = self.phase
         assert phase is not None
         buckets = list(self._spent)
-        spent = torch.tensor([[self._spent[b].get(n, 0.0) for n in phase.order] for b in buckets],
-                             dtype=torch.float64).reshape(len(buckets), len(phase.order))
+        spans = {n: 0.0 for n in phase.order}
+        for who, start, end in self._spans.values():
+            spans[who] += max(end - start, 0.0)
+        rows = [[self._spent[b].get(n, 0.0) for n in phase.order] for b in buckets] + [[spans[n] for n in phase.order]]
+        spent = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(phase.order))
         self.backend.allreduce(spent).wait()
         spent /= self.backend.world_size
-        for b, row in zip(buckets, spent.tolist()):
+        for b, row in zip(buckets, spent[:-1].tolist()):
             agreed = self._agreed.setdefault(b, {})
             for n, t in zip(phase.order, row):
                 agreed[n] = agreed.get(n, 0.0) + t
-        for n in phase.order:
+        for n, t in zip(phase.order, spent[-1].tolist()):
+            self._agreed_spans[n] = self._agreed_spans.get(n, 0.0) + t
             self.turns[n] = self.turns.get(n, 0) + phase.timed
-        self._spent = {}
+        self._spent, self._spans = {}, {}
         self.measured_per_bucket = {b: {n: t / self.turns[n] for n, t in agreed.items()}
                                     for b, agreed in self._agreed.items()}
-        self.measured = {n: sum(t[n] for t in self.measured_per_bucket.values()) for n in self.turns}
+        self.measured = {n: t / self.turns[n] for n, t in self._agreed_spans.items()}

@@ -27,8 +27,9 @@ log = logging.getLogger("gradwire")
 
 class FasterUncompressed(Strategy):
     """The candidates (dense, bf16, ...) take turns (turns.py), one step each: a round untimed,
-    then `rounds` timed rounds. Every bucket then keeps the first in the given order that is
-    within `margin` of the fastest (the same on all ranks): dense unless another is clearly faster."""
+    then `rounds` timed rounds, each timed by its step's span. Every bucket then takes the first
+    in the given order within `margin` of the fastest (the same on all ranks): dense unless
+    another is clearly faster."""
 
     name = "uncompressed"
 
@@ -46,6 +47,11 @@ class FasterUncompressed(Strategy):
     def measured_per_bucket(self) -> dict[str, dict[str, float]]:
         return self.turns.measured_per_bucket
 
+    @property
+    def measured(self) -> dict[str, float]:
+        """Candidate -> mean seconds per timed step (its span), averaged over ranks."""
+        return self.turns.measured
+
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         if self.choices is None:
@@ -60,11 +66,13 @@ class FasterUncompressed(Strategy):
 
     def _choose(self) -> None:
         self.turns.agree()
-        self.choices = {b: next(n for n in self.subs if t[n] <= min(t.values()) * (1 + self.margin))
-                        for b, t in self.measured_per_bucket.items()}
-        log.info("gradwire auto: uncompressed steps per bucket: %s", "; ".join(
-            f"{b}: {self.choices[b]} ({', '.join(f'{n} {s * 1e3:.3f}' for n, s in t.items())} ms)"
-            for b, t in self.measured_per_bucket.items()))
+        steps = self.turns.measured  # a step's span: its buckets' overlap counted
+        best = next(n for n in self.subs if steps[n] <= min(steps.values()) * (1 + self.margin))
+        self.choices = {b: best for b in self.measured_per_bucket}
+        log.info("gradwire auto: uncompressed steps: %s (per step: %s; per bucket: %s)", best,
+                 ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in steps.items()), "; ".join(
+                     f"{b}: {', '.join(f'{n} {t * 1e3:.3f}' for n, t in m.items())} ms"
+                     for b, m in self.measured_per_bucket.items()))
 
     def take_stats(self) -> ExchangeStats:
         return take_stats_of(self.subs.values())
