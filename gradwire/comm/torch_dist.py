@@ -9,8 +9,8 @@ sends is unpickled. Sub-groups inherit the group's timeout.
 
 Striping (`stripes=K`, or `GRADWIRE_GLOO_STRIPES=K` as NCCL_NSOCKS_PERTHREAD is for NCCL): gloo
 moves a collective over one TCP connection per peer and waits on its peer at every ring step, so
-one allreduce cannot fill a link with a long round trip (docs/benchmarks.md: 39 of 100 Mbit/s at
-80 ms). With K stripes, an allreduce of at least `STRIPE_MIN_BYTES` is cut into K contiguous
+one allreduce cannot fill a link with a long round trip (docs/benchmarks.md, "Round-trip time
+between emulated nodes", measures by how much). With K stripes, an allreduce of at least `STRIPE_MIN_BYTES` is cut into K contiguous
 pieces allreduced at once over K groups of the same ranks (K connections). Every rank still gets
 the same sums (each piece is one ring's), so replicas stay identical. The extra groups are made
 at the first striped allreduce, which every rank reaches at the same point; ranks that were told

@@ -228,7 +228,7 @@ dist.destroy_process_group()
 @needs_root
 def test_auto_measures_the_round_trip_between_nodes_and_not_inside_them() -> None:
     """On 2 nodes x 2 ranks 40 ms apart, auto's probe finds a per-round latency of the order of
-    the one-way delay (gloo's ring steps wait on their peer) between nodes, and about none
+    the round trip between nodes (each of gloo's ring steps waits on its peer), and about none
     inside a node."""
     import json
 
@@ -240,7 +240,7 @@ def test_auto_measures_the_round_trip_between_nodes_and_not_inside_them() -> Non
         outs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     got = json.loads(outs[0].splitlines()[-1])
-    assert 0.015 <= got["inter"] <= 0.100, got  # seconds per round between nodes: a one-way trip or more
+    assert 0.015 <= got["inter"] <= 0.100, got  # seconds per round between nodes: about a round trip
     assert got["intra"] < 0.002, got
     assert got["flat"] >= 0.015, got
     assert 1e8 / 8 * got["inter_beta"] < 4, got  # and the rate: within 4x of 100 Mbit/s

@@ -7,7 +7,8 @@ itself (`Strategy.modelled_seconds`, on the links of links.py); auto only measur
 (probe.py), asks, and chooses (policy.py). alpha (s) and beta (s/byte) are measured once at
 start-up, then averaged over ranks so every rank holds the same numbers and makes the same
 choice for every bucket. alpha is the latency of one round (on a link with a long round trip,
-about a one-way trip: the probe fits it from bucket-sized allreduces, not from a few bytes), and
+about one round trip: gloo waits for its peer at every ring step; the probe fits it from
+bucket-sized allreduces, not from a few bytes), and
 every candidate pays its rounds once per bucket of the step (`per_step`), so where round trips
 are long the candidates of fewer sequential rounds win: bf16 between nodes only
 (`hierarchical_bf16`, a ring of the nodes instead of all ranks) on several nodes.
