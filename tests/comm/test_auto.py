@@ -246,3 +246,37 @@ def test_auto_lowrank_options_are_checked():
         Auto(None, "topk:ratio=0.01", inner="powersgd", rank=4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="takes"):
         make_strategy("auto", None, "none", inner="powersgd", ranks=4)  # type: ignore[arg-type]
+
+
+def _drop(rank: int, world: int) -> dict:
+    backend = TorchDistBackend()
+    auto = Auto(backend, "topk:ratio=0.01", alpha=1e-4, beta=1e-7, gamma_encode=1e-9, gamma_decode=1e-9, trials=3,
+                settle=0)
+    order = auto.candidates([1 << 14], torch.float32)
+    slow = auto.subs["allgather"]
+    real = slow.exchange
+
+    def stalled(*args, **kwargs):  # a candidate whose steps take 0.3 s more than the others'
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    slow.exchange = stalled  # type: ignore[method-assign]
+    choices = []
+    for step in range(2 * len(order) + 2 * (len(order) - 1) + 1):
+        x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(10 * step + rank))
+        auto.exchange(x, 0, Ctx(rank=rank, step=step), average=True).wait()
+        choices.append(auto.choice)
+    return {"order": order, "choices": choices, "turns": dict(auto.trial.turns), "measured": auto.measured}
+
+
+def test_auto_times_a_candidate_far_slower_than_the_fastest_only_once():
+    """With trials=3, every candidate takes an untimed and a timed turn; one whose step took more
+    than TRIAL_DROP times the fastest's takes no more (on a slow link its turns cost seconds),
+    the others two more each; then the ranks choose, alike."""
+    a, b = run_ranks(_drop, 2)
+    assert "allgather" in a["order"] and len(a["order"]) >= 2
+    assert set(a["turns"]) == set(a["order"]) and set(a["turns"].values()) <= {1, 3} and a["turns"]["allgather"] == 1
+    n = 2 * len(a["order"]) + 2 * sum(t == 3 for t in a["turns"].values())
+    assert a["choices"][:n] == [None] * n and a["choices"][n] not in (None, "allgather")
+    assert a["turns"][a["choices"][n]] == 3  # (the fastest is never dropped)
+    assert a["measured"]["allgather"] > 0.3 and (a["turns"], a["choices"]) == (b["turns"], b["choices"])

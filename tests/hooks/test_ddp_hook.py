@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradwire
 from gradwire.hooks import ddp as gw_ddp
+from gradwire.comm.auto import TRIAL_MARGIN, prefer
 from multiproc import run_ranks
 
 IN, OUT = 32, 4
@@ -261,11 +262,13 @@ def test_auto_with_lowrank_candidates_trains_in_the_hook_and_ranks_agree():
 
 def _auto_warmup(rank: int, world: int) -> dict:
     options = {"strategy": "auto", "inner": "powersgd", "rank": 2, "ranks_per_node": 2, "trials": 1,
-               "start_iter": 19}
-    model, _, state, losses = train(rank, "none", 22, options)
+               "settle": 0, "start_iter": 19}
+    model, _, state, losses = train(rank, "none", 24, options)
     warm = state.strategy.warmup_strategy
     out = {"params": params(model), "losses": losses, "buckets": [h["buckets"] for h in state.history],
            "warm_choices": warm.choices, "warm_times": warm.measured_per_bucket, "warm_steps": warm.measured,
+           "turns": dict(state.strategy.trial.turns), "measured": state.strategy.measured,
+           "choice": state.strategy.choice,
            "plan_buckets": state.strategy.plan_buckets,
            "ddp_buckets": gw_ddp.ddp_bucket_count([p.numel() * p.element_size() for p in model.parameters()],
                                                   model.bucket_bytes_cap)}
@@ -276,8 +279,8 @@ def _auto_warmup(rank: int, world: int) -> dict:
 def test_auto_spends_its_dense_first_steps_on_the_fastest_uncompressed_exchange():
     """auto on two nodes: the hook's uncompressed steps after the second go to dense, bf16 and
     bf16 between nodes only in turns (an untimed round, 4 timed), then every bucket takes the one
-    whose steps were fastest (dense unless another is 3% faster) until compression starts; all
-    ranks choose alike and keep bit-identical replicas."""
+    whose steps were fastest (dense unless another is 3% faster) until compression starts, whose
+    trial reuses those times; all ranks choose alike and keep bit-identical replicas."""
     results = run_ranks(_auto_warmup, 4, timeout=300)
     a = results[0]
     order = ("dense", "bf16", "hierarchical_bf16")
@@ -297,9 +300,16 @@ def test_auto_spends_its_dense_first_steps_on_the_fastest_uncompressed_exchange(
     assert set(a["warm_choices"].values()) == {best}
     for times in a["warm_times"].values():
         assert all(t > 0 for t in times.values()) and list(times) == list(order)
+    # compression's trial (from step 19) times only the compressed candidates, an untimed round and
+    # a timed one: the uncompressed ones were timed by these steps, on the same buckets
+    assert set(a["buckets"][19].values()) == {"powersgd"} and "hierarchical" in a["buckets"][20].values()
+    assert a["turns"] == {"powersgd": 1, "hierarchical": 1}
+    assert {n: a["measured"][n] for n in order} == steps and a["choice"] is not None
+    assert a["choice"] == prefer(a["measured"], margin=TRIAL_MARGIN)
     assert all(math.isfinite(x) for x in a["losses"])
     for r in results[1:]:
         assert (r["warm_choices"], r["warm_times"]) == (a["warm_choices"], a["warm_times"])
+        assert (r["choice"], r["measured"]) == (a["choice"], a["measured"])
         assert all(torch.equal(x, y) for x, y in zip(r["params"], a["params"]))
 
 

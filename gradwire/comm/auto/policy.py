@@ -19,6 +19,9 @@ TRIAL_MARGIN = 0.03
 #: After the first timed turns, candidates whose step is this close to the fastest per-bucket mix
 #: are timed again (so a further turn costs at most this much more than the best).
 TRIAL_CLOSE = 0.25
+#: After each candidate's first timed turn, one whose step took more than this many times the
+#: fastest's is timed no more: it cannot come within TRIAL_MARGIN, and its turns are the slowest.
+TRIAL_DROP = 2.0
 APPROXIMATE_GAIN = 4.0  # oktopk/artopk must be this many times faster than the others
 
 

@@ -69,7 +69,9 @@ class Auto(Strategy):
     model's parameters) or else from the first bucket, so it is the same on every rank and does
     not depend on how tensors are grouped into buckets. The model only shortlists: with
     `trials=N` (default 2) each shortlisted candidate, dense and bf16 always among them, runs
-    one untimed step and N timed ones, with its encode and decode, and the ranks choose by the
+    one untimed step and N timed ones, with its encode and decode (one only if its first was
+    more than `TRIAL_DROP` times the fastest; none for the uncompressed candidates the hook's
+    uncompressed first steps timed already, on the same buckets), and the ranks choose by the
     mean of their steps' spans, within `TRIAL_MARGIN` (`choice`, and `choices` per bucket, all
     alike): a step's span counts how its buckets' exchanges overlap each other and the backward
     pass, which summed per-bucket times do not (where round trips are long, two buckets in flight
@@ -133,6 +135,7 @@ class Auto(Strategy):
         self.choices: dict[str, str] = {}  # bucket key -> its measured choice (else `choice`)
         self._timings: dict[str, float] = {}  # every trial phase's measurements, for the warning
         self._modelled: dict[str, float] = {}  # the cost model's times that shortlisted the trial
+        self._stage = "first"  # of the trial: first, rest, settle (`_timed_exchange`)
         if c.summable and self.lowrank is None:
             self.subs: dict[str, Strategy] = {"allreduce": Allreduce(backend, c, error_feedback)}
             self.choice = "allreduce"  # nothing to measure
@@ -259,8 +262,18 @@ class Auto(Strategy):
 
     @property
     def measured(self) -> dict[str, float]:
-        """Candidate -> mean seconds per timed trial turn, summed over buckets, averaged over ranks."""
-        return self.trial.measured
+        """Candidate -> mean seconds per timed step (its span), averaged over ranks: the trial's,
+        and for the uncompressed candidates it did not time, the uncompressed first steps'."""
+        return {**self._known(), **self.trial.measured}
+
+    def _known(self) -> dict[str, float]:
+        """Step spans the uncompressed first steps already timed (dense, bf16, bf16 between nodes),
+        on the same buckets, in the same turns: the trial need not time them again. Empty when
+        those steps were too few to finish their turns (every rank alike: they agree by allreduce)."""
+        warm = self.warmup_strategy
+        if not isinstance(warm, FasterUncompressed) or warm.choices is None:
+            return {}
+        return {n: t for n, t in warm.measured.items() if n in self.subs}
 
     @property
     def measured_per_bucket(self) -> dict[str, dict[str, float]]:
@@ -269,31 +282,49 @@ class Auto(Strategy):
     def _timed_exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool,
                         shapes: list[torch.Size] | None, keys: list[str] | None,
                         sizes: list[int]) -> Work[torch.Tensor] | None:
-        """During the trial, exchange with this step's candidate (in turns, timed). At the first
-        step after a phase, agree on its times; then time the near-ties again (`settle`), or
-        choose by `prefer`. None once chosen."""
+        """During the trial, exchange with this step's candidate (in turns, timed). The trial runs
+        in stages, each ended by the ranks agreeing on its times at the first step after it:
+        "first" (an untimed round and one timed turn each), "rest" (trials - 1 more turns for the
+        candidates within `policy.TRIAL_DROP` of the fastest: a step several times the best's
+        cannot win, and on a slow link each of its turns costs seconds), "settle" (the near-ties).
+        None once chosen."""
         trial = self.trial
         if trial.phase is None:
-            trial.start(ctx.step, self.candidates(sizes, x.dtype, shapes), untimed=1, timed=self.trials)
-        if trial.running(ctx.step):
+            known = self._known()
+            order = [n for n in self.candidates(sizes, x.dtype, shapes) if n not in known]
+            if order:
+                self._stage = "first"
+                trial.start(ctx.step, order, untimed=1, timed=min(self.trials, 1))
+        if trial.phase is not None and trial.running(ctx.step):
             return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
-        trial.agree()
-        phase = trial.phase
-        assert phase is not None
-        fastest = min(self.measured.values())  # (a step's span: its buckets' overlap counted)
-        close = [n for n in phase.order if self.measured[n] <= (1 + policy.TRIAL_CLOSE) * fastest]
-        self._timings = {**self._timings, **self.measured}  # (every candidate's, for the warning)
-        if phase.untimed and self.settle and len(close) > 1:
-            trial.start(ctx.step, close, untimed=0, timed=self.settle)
-            return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
-        self.choice = policy.prefer(self.measured, margin=policy.TRIAL_MARGIN)
+        if trial.phase is not None:
+            trial.agree()
+        measured = self.measured
+        fastest = min(measured.values())  # (a step's span: its buckets' overlap counted)
+        self._timings = {**self._timings, **measured}  # (every candidate's, for the warning)
+        timed = list(trial.phase.order) if trial.phase is not None else []
+        if self._stage == "first" and self.trials > 1:
+            alive = [n for n in timed if measured[n] <= policy.TRIAL_DROP * fastest]
+            if alive:
+                self._stage = "rest"
+                trial.start(ctx.step, alive, untimed=0, timed=self.trials - 1)
+                return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
+        if self._stage in ("first", "rest"):
+            close = [n for n in measured if measured[n] <= (1 + policy.TRIAL_CLOSE) * fastest]
+            self._stage = "settle"
+            # (the uncompressed first steps timed their own near-ties over several turns already)
+            if self.settle and len(close) > 1 and any(n in trial.turns for n in close):
+                trial.start(ctx.step, close, untimed=0, timed=self.settle)
+                return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
+        self.choice = policy.prefer(measured, margin=policy.TRIAL_MARGIN)
         self.choices = {b: self.choice for b in self.measured_per_bucket}  # (timed by whole steps: one for all)
-        log.info("gradwire auto: %s after a timed trial (turns: %s): %s; per bucket: %s", self.choice,
-                 ", ".join(f"{n} {c}" for n, c in trial.turns.items()),
-                 ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in self.measured.items()),
-                 "; ".join(f"{b}: {self.choices[b]} ({', '.join(f'{n} {t * 1e3:.3f}' for n, t in m.items())})"
+        log.info("gradwire auto: %s after a timed trial (turns: %s; from the uncompressed first steps: %s): %s; "
+                 "per bucket: %s", self.choice, ", ".join(f"{n} {c}" for n, c in trial.turns.items()),
+                 ", ".join(n for n in measured if n not in trial.turns) or "none",
+                 ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in measured.items()),
+                 "; ".join(f"{b}: {', '.join(f'{n} {t * 1e3:.3f}' for n, t in m.items())}"
                            for b, m in self.measured_per_bucket.items()))
-        self._say_if_uncompressed({**self._timings, **self.measured}, "measured")
+        self._say_if_uncompressed({**self._timings, **measured}, "measured")
         return None
 
     def choose(self, sizes: list[int], dtype: torch.dtype, shapes: list[torch.Size] | None = None) -> str:
