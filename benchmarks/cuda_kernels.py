@@ -55,6 +55,7 @@ def cases(x: torch.Tensor):
     key = rng.stream_key(0, 1, 0, 7, stream=10)
     other = torch.bfloat16 if x.dtype == torch.float32 else torch.float32
     fp8 = ops.fp8_encode(x, 1024, False, 448.0, torch.float8_e4m3fn)
+    fp4 = ops.fp4_encode(x, 32)
     i8 = ops.int8_encode(x, 1024)
     qs = ops.stochastic_encode(x, 512, 255, 8, key, True)
     sg = ops.sign_encode(x, 1024, False)
@@ -66,6 +67,8 @@ def cases(x: torch.Tensor):
     yield "cast", lambda: ops.cast(x, other), inb + n * torch.empty((), dtype=other).element_size()
     yield "fp8 encode (e4m3)", lambda: ops.fp8_encode(x, 1024, False, 448.0, torch.float8_e4m3fn), inb + n
     yield "fp8 decode", lambda: ops.fp8_decode(fp8[1], fp8[0], 1024, False, x.dtype), n + inb
+    yield "fp4 encode (e2m1, blocks of 32)", lambda: ops.fp4_encode(x, 32), inb + 4 * g + n // 8
+    yield "fp4 decode", lambda: ops.fp4_decode(fp4[1], fp4[0], n, 32, x.dtype), 4 * g + n // 8 + inb
     yield "int8 encode", lambda: ops.int8_encode(x, 1024), inb + n
     yield "int8 decode", lambda: ops.int8_decode(i8[2], i8[0], i8[1], 1024, x.dtype), n + inb
     yield "qsgd encode (8 bits)", lambda: ops.stochastic_encode(x, 512, 255, 8, key, True), inb + 9 * g
@@ -96,7 +99,7 @@ def feedback_cases(x: torch.Tensor):
     inb, g, k = n * isz, -(-n // 8), max(1, n // 100)
     e, out = torch.zeros_like(x), torch.empty_like(x)
     ctx = Ctx(seed=0, step=1, rank=0, key=7)
-    for spec, packet in (("fp16", 2 * n), ("int8", n), ("qsgd", 9 * g), ("sign", g),
+    for spec, packet in (("fp16", 2 * n), ("int8", n), ("fp4", 4 * g + n // 8), ("qsgd", 9 * g), ("sign", g),
                          ("topk:ratio=0.01,indices=raw", k * (8 + isz))):
         comp = compressor(spec)
         yield f"{spec} bare encode", lambda c=comp: c.encode(x, ctx), inb + packet

@@ -17,7 +17,7 @@ import zstandard
 from .compress import Ctx, compressor
 
 DEFAULT_SPECS = [
-    "none", "fp16", "bf16", "fp8", "fp8:format=e5m2", "int8", "qsgd", "qsgd:bits=4", "terngrad", "sign",
+    "none", "fp16", "bf16", "fp8", "fp8:format=e5m2", "fp4", "int8", "qsgd", "qsgd:bits=4", "terngrad", "sign",
     "onebit", "topk:ratio=0.01", "topk:ratio=0.01+fp16", "randomk:ratio=0.01", "threshold", "dgc:ratio=0.01",
     "topk:ratio=0.01+qsgd:bits=8+zstd", "zstd", "fp16+zstd",
 ]

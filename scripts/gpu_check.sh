@@ -13,16 +13,17 @@ mkdir -p "$DEST"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
-    pip install -q --no-index --no-deps .gpu_wheels/*.whl 2>&1 | tail -3 \
-        || pip install -q --no-index --no-deps --break-system-packages .gpu_wheels/*.whl 2>&1 | tail -3
+    # `python -m pip`: the image's `pip` may belong to another interpreter than `python`
+    python -m pip install -q --no-index --no-deps .gpu_wheels/*.whl 2>&1 | tail -3 \
+        || python -m pip install -q --no-index --no-deps --break-system-packages .gpu_wheels/*.whl 2>&1 | tail -3
 fi
 python -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, torch.cuda.get_device_name())" \
     | tee "$DEST/env.txt"
 python -c "import importlib.util as u; print('nvcomp', bool(u.find_spec('nvidia.nvcomp')), 'zstandard', bool(u.find_spec('zstandard')))" \
     | tee -a "$DEST/env.txt"
 
-timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/cuda/test_cuda_parity.py tests/cuda/test_cuda_feedback.py \
-    --junitxml="$DEST/gpu_tests.xml" > "$DEST/gpu_tests.log" 2>&1
+timeout 280 python -m pytest -q -p no:cacheprovider -m gpu tests/cuda/test_cuda_parity.py tests/cuda/test_cuda_feedback.py \
+    --durations=15 --junitxml="$DEST/gpu_tests.xml" > "$DEST/gpu_tests.log" 2>&1
 tests_rc=$?
 tail -25 "$DEST/gpu_tests.log"
 

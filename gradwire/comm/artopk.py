@@ -65,8 +65,9 @@ class ARTopK(Strategy):
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True) -> None:
         super().__init__(backend, compressor, error_feedback)
-        if self.compressor.name != "topk":
-            raise ValueError(f"artopk needs a plain topk compressor, got {self.compressor}")
+        if self.compressor.name != "topk" or getattr(self.compressor, "chunk", 0):
+            raise ValueError(f"artopk needs a plain topk compressor (it selects from the sum over ranks, "
+                             f"not per chunk), got {self.compressor}")
 
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:

@@ -133,6 +133,12 @@ class ErrorFeedback:
     def residual(self, key: int | str) -> torch.Tensor | None:
         return self.residuals.get(str(key))
 
+    def decay(self, factor: float) -> None:
+        """Scale every residual by `factor` in place: an accumulator that forgets (SparseLoCo's
+        outer loop, ``e = factor * e + delta``, where the next `encode` adds delta)."""
+        for e in self.residuals.values():
+            e.mul_(factor)
+
     def reset(self) -> None:
         self.residuals.clear()
         self._spares.clear()

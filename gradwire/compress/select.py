@@ -364,6 +364,28 @@ def topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return topk_from(flat, k, skeys, candidates(flat, key))
 
 
+def chunked_topk(flat: torch.Tensor, chunk: int, k_full: int, k_last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ascending int64 indices, values): each run of `chunk` consecutive elements keeps its own
+    `k_full` largest |flat| (the shorter last run: `k_last`), NaN > Inf > finite, ties to the
+    lowest index. SparseLoCo's selection: every part of the tensor is represented, and one
+    stable sort per chunk is the same torch op on every device, so CPU and CUDA pick alike."""
+    flat = flat.detach()
+    n = flat.numel()
+    full = n // chunk
+    parts = []
+    if full:
+        keys = flat[: full * chunk].view(full, chunk).abs()
+        order = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, :k_full]
+        starts = torch.arange(0, full * chunk, chunk, device=flat.device).unsqueeze(1)
+        parts.append((order.sort(dim=1).values + starts).reshape(-1))
+    if n > full * chunk:
+        keys = flat[full * chunk:].abs()
+        order = torch.sort(keys, descending=True, stable=True).indices[:k_last]
+        parts.append(order.sort().values + full * chunk)
+    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=flat.device)
+    return idx, flat[idx]
+
+
 def topk_rank(m: int, n: int, k: int) -> int:
     """The rank in an m-element sample whose key is topk's first threshold. Margin:
     P(fewer than k candidates) ~ 3e-5 for iid data; a miss only costs a retry."""

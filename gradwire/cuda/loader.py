@@ -31,9 +31,9 @@ INSTANTIATIONS: dict[str, tuple[str, ...]] = {
         + _names("seg_reduce", _DT, range(5))
         + ["seg_finish<0, 0>", "seg_finish<1, 1>", "seg_finish<3, 2>", "seg_finish<0, 3>",
            "seg_finish<2, 4>", "seg_finish<4, 5>", "seg_finish<1, 6>"]
-        + _names("fp8_encode", _DT, (0, 1)) + _names("int8_encode", _DT) + _names("stochastic_encode", _DT)
+        + _names("fp8_encode", _DT, (0, 1)) + _names("fp4_encode", _DT) + _names("int8_encode", _DT) + _names("stochastic_encode", _DT)
         + _names("sign_bits", _DT)
-        + _names("fp8_decode", _DT, (0, 1)) + _names("int8_decode", _DT) + _names("stochastic_decode", _DT)
+        + _names("fp8_decode", _DT, (0, 1)) + _names("fp4_decode", _DT) + _names("int8_decode", _DT) + _names("stochastic_decode", _DT)
         + _names("sign_decode", _DT) + _names("onebit_decode", _DT)),
     "select.cu": tuple(
         ["radix_init", "radix_pick", "set_threshold"]
@@ -45,7 +45,7 @@ INSTANTIATIONS: dict[str, tuple[str, ...]] = {
         + _names("fill_sentinel", _DT)),
     "feedback.cu": tuple(
         [f"ef_cast<{s}, {d}>" for s in _DT for d in _DT]
-        + _names("ef_seg_reduce", _DT, range(5)) + _names("ef_fp8", _DT, (0, 1)) + _names("ef_int8", _DT)
+        + _names("ef_seg_reduce", _DT, range(5)) + _names("ef_fp8", _DT, (0, 1)) + _names("ef_fp4", _DT) + _names("ef_int8", _DT)
         + _names("ef_stochastic", _DT) + _names("ef_sign", _DT, (0, 1))
         + _names("ef_sub_sent", _DT, ("int", "long long")) + _names("dgc_accumulate", _DT)
         + _names("dgc_sent", _DT, ("int", "long long")) + ["ef_keep<u16>", "ef_keep<u32>"]),

@@ -20,6 +20,7 @@ _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # reduction ops and per-chunk derivations (elementwise.cu)
 OP_ABSMAX, OP_MINMAX, OP_ABSSUM, OP_SQSUM, OP_PN = range(5)
+FP4_MAX = 6.0  # e2m1's largest magnitude: fp4 shares fp8's per-chunk derivation (FIN_FP8) with it
 FIN_FP8, FIN_INT8, FIN_QSGD, FIN_TERN, FIN_SIGN, FIN_ONEBIT, FIN_SENTINEL = range(7)
 _OP_OF = {FIN_FP8: OP_ABSMAX, FIN_INT8: OP_MINMAX, FIN_QSGD: OP_SQSUM, FIN_TERN: OP_ABSMAX,
           FIN_SIGN: OP_ABSSUM, FIN_ONEBIT: OP_PN, FIN_SENTINEL: OP_MINMAX}
@@ -103,7 +104,7 @@ def _groups(n: int) -> int:
     return -(-n // 8)
 
 
-# ---- fp8 / int8 ----------------------------------------------------------------------------
+# ---- fp8 / fp4 / int8 ----------------------------------------------------------------------------
 def fp8_encode(x: torch.Tensor, chunk: int, e5m2: bool, fmax: float, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
     scales, f0, _ = chunk_stats(x, chunk, FIN_FP8, fmax)
@@ -121,6 +122,25 @@ def fp8_decode(codes: torch.Tensor, scales: torch.Tensor, chunk: int, e5m2: bool
         with on_torch_stream(codes.device):
             _launch("elementwise.cu", f"fp8_decode<{_DT[dtype]}, {int(e5m2)}>", codes.device, n,
                     (codes, scales, _i64(n), _i64(chunk), y))
+    return y
+
+
+def fp4_encode(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, packed e2m1 codes: 4 bytes per group of 8 elements)."""
+    n = x.numel()
+    scales, f0, _ = chunk_stats(x, chunk, FIN_FP8, FP4_MAX)
+    data = _empty(4 * _groups(n), torch.uint8, x)
+    with on_torch_stream(x.device):
+        _launch("elementwise.cu", f"fp4_encode<{_DT[x.dtype]}>", x.device, _groups(n), (x, _i64(n), _i64(chunk), f0, data))
+    return scales, data
+
+
+def fp4_decode(data: torch.Tensor, scales: torch.Tensor, n: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    y = _empty(n, dtype, data)
+    if n:
+        with on_torch_stream(data.device):
+            _launch("elementwise.cu", f"fp4_decode<{_DT[dtype]}>", data.device, n,
+                    (data, scales, _i64(n), _i64(chunk), y))
     return y
 
 
@@ -239,6 +259,11 @@ def ef_fp8(x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor, chunk: in
            scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return _ef_chunked(x, e, out, chunk, FIN_FP8, fmax, scales, None,
                        f"ef_fp8<{_DT[x.dtype]}, {int(e5m2)}>", (None, scales, codes.view(torch.uint8)))
+
+
+def ef_fp4(x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor, chunk: int, scales: torch.Tensor,
+           data: torch.Tensor) -> torch.Tensor:
+    return _ef_chunked(x, e, out, chunk, FIN_FP8, FP4_MAX, scales, None, f"ef_fp4<{_DT[x.dtype]}>", (None, scales, data))
 
 
 def ef_int8(x: torch.Tensor, e: torch.Tensor | None, out: torch.Tensor, chunk: int, scales: torch.Tensor,

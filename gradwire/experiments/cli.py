@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "cifar10: resnet20); default: the task's")
     p.add_argument("--width", type=int, default=0, help="model width (0: the architecture's default)")
     p.add_argument("--methods", default="none,topk,randomk,qsgd:bits=4,powersgd:rank=2",
-                   help="comma list of gradwire compressor specs, 'none' (dense) and 'powersgd:rank=R'; "
-                        "topk/randomk/dgc without ratio= are swept over --ratios")
+                   help="comma list of gradwire compressor specs, 'none' (dense), 'powersgd:rank=R' and "
+                        "'diloco:H=N[+compressor]' (a piece that is only key=value continues the method before it: "
+                        "'diloco:H=30,fragments=3+fp4'); topk/randomk/dgc without ratio= are swept over --ratios")
     p.add_argument("--ratios", default="0.01,0.1", help="kept fractions for sparsifiers without an explicit ratio")
     p.add_argument("--worlds", default="4", help="comma list of world sizes (ranks on this machine)")
     p.add_argument("--links", default="none",
@@ -124,6 +125,22 @@ def network_links(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def split_methods(text: str) -> list[str]:
+    """The comma-separated methods; a piece that is only `key=value` continues the method before
+    it (`diloco:H=30,fragments=3+fp4`, `topk:ratio=0.01,chunk=4096`): no method name has an `=`
+    before its first `:`."""
+    methods: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        head = piece.split(":")[0]
+        if "=" in head and methods:
+            methods[-1] += "," + piece
+        else:
+            methods.append(piece)
+    return methods
+
+
 def sweep_from(args: argparse.Namespace) -> Sweep:
     if args.quick:
         defaults = build_parser().parse_args([])
@@ -161,7 +178,7 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
         raise ValueError("--start-iter and --warmup must be >= -1 (-1: the task's default)")
     if args.engine == "hsdp" and args.ranks_per_node < 2:
         raise ValueError("--engine hsdp shards inside nodes and replicates across them: give --ranks-per-node >= 2")
-    return Sweep(args.task, arch, args.width, [m.strip() for m in args.methods.split(",") if m.strip()],
+    return Sweep(args.task, arch, args.width, split_methods(args.methods),
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
                  args.error_feedback, str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None,

@@ -12,6 +12,7 @@ from gradwire.comm.config import accepted_options, split_method
 from gradwire.comm.registry import traits
 from gradwire.compress import compressor as make_compressor, resolve_error_feedback
 from gradwire.outer import OuterConfig
+from gradwire.outer.recipes import recipe
 
 SPARSIFIERS = ("topk", "randomk", "dgc")
 ENGINES = ("ddp", "fsdp", "hsdp")
@@ -57,13 +58,14 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
 
 
 OUTER_OPTIONS = {"H": "sync_every", "fragments": "fragments", "delay": "delay", "mix": "mix",
-                 "outer_lr": "outer_lr", "momentum": "momentum"}
+                 "outer_lr": "outer_lr", "momentum": "momentum", "decay": "feedback_decay"}
 
 
 def _diloco(spec: str, error_feedback: str) -> Method:
-    """`diloco:H=100[,fragments=F,delay=T,mix=A,outer_lr=..,momentum=..][+compressor][@strategy]`: replicas
+    """`diloco:H=100[,fragments=F,delay=T,mix=A,outer_lr=..,momentum=..,decay=..][+compressor][@strategy]`: replicas
     that train alone and average their pseudo-gradients every H steps (gradwire.outer), through the
-    compressor (default none) and strategy (allreduce for summable payloads, else allgather)."""
+    compressor (default none; or a recipe: `+sparseloco`) and strategy (allreduce for summable
+    payloads, else allgather)."""
     head, plus, rest = spec.partition("+")
     head, at, via = head.partition("@")
     if at and plus:
@@ -77,13 +79,16 @@ def _diloco(spec: str, error_feedback: str) -> Method:
         if not eq or key.strip() not in OUTER_OPTIONS:
             raise ValueError(f"diloco takes {', '.join(f'{k}=' for k in OUTER_OPTIONS)}; got {item!r} in {spec!r}")
         number = float(value)
-        outer[OUTER_OPTIONS[key.strip()]] = int(number) if number.is_integer() and key.strip() != "mix" else number
+        as_int = number.is_integer() and key.strip() in ("H", "fragments", "delay")
+        outer[OUTER_OPTIONS[key.strip()]] = int(number) if as_int else number
     if "sync_every" not in outer:
         raise ValueError(f"{spec!r}: say how often replicas sync, e.g. diloco:H=100")
     OuterConfig(**outer)  # (checks the numbers: a bad one fails before anything runs)
-    c = make_compressor(rest.strip() or "none")
+    named = recipe(rest.strip())  # (sparseloco: a compressor with the outer settings it is meant with)
+    c = make_compressor(named.compressor if named else rest.strip() or "none")
     strategy = via or ("allreduce" if c.summable else "allgather")
-    return Method(spec, str(c), strategy, {}, resolve_error_feedback(error_feedback, c), outer)
+    return Method(spec, rest.strip() if named else str(c), strategy, {}, resolve_error_feedback(error_feedback, c),
+                  outer)
 
 
 def _powersgd(strategy: str, options: dict[str, Any], error_feedback: str) -> Method:

@@ -16,7 +16,8 @@ STEP_FIELDS = ["run_id", "method", "world", "link", "type", "step", "epoch", "lo
                "bytes_sent", "bytes_received", "intra_bytes_sent", "dense_bytes", "cum_bytes_sent", "wall_s"]
 RUN_FIELDS = ["run_id", "task", "arch", "width", "method", "compressor", "strategy", "error_feedback", "world",
               "link", "seed", "steps", "params", "accuracy", "perplexity", "bytes_sent", "dense_bytes",
-              "compression", "train_s", "median_step_s", "command", "intra_bytes_sent", "inter_node_wire_bytes"]
+              "compression", "train_s", "median_step_s", "command", "intra_bytes_sent", "inter_node_wire_bytes",
+              "compute_utilization", "syncs", "peak_bytes_in_flight"]
 
 
 def read_steps(out: Path, run_id: str) -> list[dict[str, Any]]:
@@ -34,7 +35,13 @@ def run_row(s: dict[str, Any]) -> dict[str, Any]:
             "compression": s["dense_bytes"] / max(s["bytes_sent"], 1), "train_s": s["train_s"],
             "median_step_s": s["median_step_s"], "command": s.get("command", ""),
             "intra_bytes_sent": s["intra_bytes_sent_per_rank"][0] if s.get("intra_bytes_sent_per_rank") else None,
-            "inter_node_wire_bytes": s.get("inter_node_wire_bytes_per_rank")}
+            "inter_node_wire_bytes": s.get("inter_node_wire_bytes_per_rank"),
+            "compute_utilization": s.get("compute_utilization"), "syncs": s.get("syncs"),
+            "peak_bytes_in_flight": s.get("peak_bytes_in_flight")}
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
 
 
 def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -124,20 +131,27 @@ def seed_table(rows: list[dict[str, Any]]) -> list[str]:
 def markdown(rows: list[dict[str, Any]], front: list[dict[str, Any]], projections: list[dict[str, Any]],
              plots: list[str], alpha: float, tta_lines: list[str] | None = None) -> str:
     lm = any(r["perplexity"] is not None for r in rows)
+    util = any(r.get("compute_utilization") is not None for r in rows)
     lines = ["# gradwire experiment report", "",
              "Bytes are what each rank handed to its collectives, as counted by gradwire's comm layer "
              "(dense warm-up steps included). Accuracy is the held-out accuracy at the last step"
              + (" (next-byte accuracy for the language model; perplexity beside it)" if lm else "") + ".", "",
              "| method | world | link | accuracy [%] |" + (" perplexity |" if lm else "")
-             + " bytes sent/rank | fewer than dense | train time [s] | median step [ms] |",
-             "|---|---|---|---|" + ("---|" if lm else "") + "---|---|---|---|"]
+             + " bytes sent/rank | fewer than dense | train time [s] | median step [ms] |"
+             + (" compute [%] |" if util else ""),
+             "|---|---|---|---|" + ("---|" if lm else "") + "---|---|---|---|" + ("---|" if util else "")]
     dense = {(r["task"], r["world"], r["link"], r["seed"]): r for r in rows if r["method"] == "dense"}
     for r in rows:
         base = dense.get((r["task"], r["world"], r["link"], r["seed"]))
         fewer = f"{base['bytes_sent'] / max(r['bytes_sent'], 1):.1f}x" if base else "-"
         ppl = f" {r['perplexity']:.2f} |" if lm else ""
         lines.append(f"| {r['method']} | {r['world']} | {r['link']} | {r['accuracy']:.2f} |{ppl} "
-                     f"{_fmt_bytes(r['bytes_sent'])} | {fewer} | {r['train_s']:.1f} | {r['median_step_s'] * 1e3:.1f} |")
+                     f"{_fmt_bytes(r['bytes_sent'])} | {fewer} | {r['train_s']:.1f} | {r['median_step_s'] * 1e3:.1f} |"
+                     + (f" {_pct(r.get('compute_utilization'))} |" if util else ""))
+    if util:
+        lines += ["", "compute [%]: the share of the training wall time spent computing — per-step methods: the "
+                  "reference forward + backward (no communication) times the steps over the wall time; outer-loop "
+                  "methods: the time not spent launching or waiting on syncs."]
     lines += seed_table(rows)
     lines += tta_lines or []
     lines += ["", "## Pareto front (accuracy vs bytes, per task/world/link)", "",

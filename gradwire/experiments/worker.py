@@ -131,7 +131,11 @@ class _OuterStats:
     @property
     def last_stats(self) -> dict[str, Any]:
         new, self.seen = self.outer.stats[self.seen:], len(self.outer.stats)
-        return {k: sum(s[k] for s in new) for k in ("bytes_sent", "dense_bytes")} if new else {}
+        if not new:
+            return {}
+        # exposed communication (launch + wait) counts as exchange time, so compute_s is what is left
+        return {"bytes_sent": sum(s["bytes_sent"] for s in new), "dense_bytes": sum(s["dense_bytes"] for s in new),
+                "exchange_s": sum(s["launch_s"] + s["wait_s"] for s in new)}
 
     def global_model(self) -> torch.nn.Module:
         """The weights of the last sync, as DiLoCo evaluates (a copy: the replica trains on)."""
@@ -283,6 +287,15 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         summary["auto_choice"] = choice
         if getattr(strategy, "choices", None):
             summary["auto_choices"] = dict(strategy.choices)  # per bucket
+    # the share of wall time spent computing: per step, the reference forward + backward over the step;
+    # an outer loop, every moment not spent launching or waiting on a sync (its inner steps are local)
+    summary["compute_utilization"] = min(1.0, compute_ref * cfg.steps / wall) if wall > 0 else 0.0
+    if isinstance(state, _OuterStats):
+        exposed = sum(s["launch_s"] + s["wait_s"] for s in state.outer.stats)
+        summary["compute_utilization"] = max(0.0, 1.0 - exposed / wall) if wall > 0 else 0.0
+        summary["exposed_comm_s"] = exposed
+        summary["syncs"] = len(state.outer.stats)
+        summary["peak_bytes_in_flight"] = state.outer.peak_bytes_in_flight()
     links = [r["node_link_tx_bytes"] for r in per_rank if "node_link_tx_bytes" in r]
     if links:  # measured on the emulated cluster's links: what really crossed between nodes
         summary["inter_node_wire_bytes_per_rank"] = sum(links) / world

@@ -18,14 +18,19 @@ A replica is one process here, or one rank of a group that trains with DDP or FS
 give `backend` over the ranks that hold the same part of the model in every replica (for DDP
 inside a node: the ranks with the same local rank), as HSDP's replicate group.
 
-Every rank must pass the same model layout and the same H, F, tau and exchange config: the first
-sync checks and raises ConfigMismatchError on every rank otherwise.
+Every rank must pass the same model layout and the same H, F, tau, outer settings and exchange
+config: the constructor checks (before any exchange is built) and raises ConfigMismatchError on
+every rank otherwise.
+
+`compressor="sparseloco"` is SparseLoCo's recipe (recipes.py): chunked top-k, 2-bit values,
+error feedback that decays by `feedback_decay` at every sync in place of outer momentum.
 
 Tests: tests/outer/test_diloco.py (real gloo ranks).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,7 @@ from ..comm.api import GradientExchanger
 from ..comm.backend import Backend, Work
 from ..comm.framing import check_same_config
 from ..comm.torch_dist import TorchDistBackend
+from .recipes import recipe
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class OuterConfig:
     outer_lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    feedback_decay: float = 1.0  # error feedback's residual is scaled by this before each sync (SparseLoCo)
 
     def __post_init__(self) -> None:
         if self.sync_every < 1 or self.fragments < 1:
@@ -60,11 +67,16 @@ class OuterConfig:
                              f"next one, got {self.delay}")
         if not 0.0 <= self.mix < 1.0:
             raise ValueError(f"mix must be in [0, 1), got {self.mix}")
+        if not 0.0 <= self.feedback_decay <= 1.0:
+            raise ValueError(f"feedback_decay must be in [0, 1], got {self.feedback_decay}")
 
     def offset(self, fragment: int) -> int:
         """The inner step (mod sync_every) at which `fragment` syncs: staggered evenly, the last
         fragment at sync_every, as DiLoCo's single sync."""
         return (self.sync_every * (fragment + 1)) // self.fragments % self.sync_every
+
+
+_SETTING_TYPES = {"outer_lr": float, "momentum": float, "nesterov": bool, "feedback_decay": float}
 
 
 class DiLoCo:
@@ -82,10 +94,16 @@ class DiLoCo:
 
     def __init__(self, model: torch.nn.Module, sync_every: int = 100, compressor: Any = "none",
                  strategy: str | None = None, *, backend: Backend | None = None, fragments: int = 1,
-                 delay: int = 0, mix: float = 0.0, outer_lr: float = 0.7, momentum: float = 0.9,
-                 nesterov: bool = True, error_feedback: bool | str = "auto", **exchange_options: Any) -> None:
-        self.config = OuterConfig(int(sync_every), int(fragments), int(delay), float(mix), float(outer_lr),
-                                  float(momentum), bool(nesterov))
+                 delay: int = 0, mix: float = 0.0, outer_lr: float | None = None, momentum: float | None = None,
+                 nesterov: bool | None = None, feedback_decay: float | None = None,
+                 error_feedback: bool | str = "auto", **exchange_options: Any) -> None:
+        named_recipe = recipe(compressor)
+        given = {"outer_lr": outer_lr, "momentum": momentum, "nesterov": nesterov, "feedback_decay": feedback_decay}
+        settings = {**(named_recipe.settings if named_recipe else {}), **{k: v for k, v in given.items() if v is not None}}
+        if named_recipe is not None:
+            compressor = named_recipe.compressor
+        self.config = OuterConfig(int(sync_every), int(fragments), int(delay), float(mix),
+                                  **{k: _SETTING_TYPES[k](v) for k, v in settings.items()})
         self.model = model
         self.backend = backend if backend is not None else TorchDistBackend()
         named = [(n, p) for n, p in getattr(model, "module", model).named_parameters() if p.requires_grad]
@@ -94,25 +112,35 @@ class DiLoCo:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.fragment_of = split_fragments([p.numel() for p in self.params], self.config.fragments)
+        strategy = strategy or ("allreduce" if str(compressor) in ("none", "fp16", "bf16") else "allgather")
+        exchange = f"compressor={compressor} strategy={strategy} error_feedback={error_feedback} {exchange_options}"
+        # (first: the exchangers below each run their own check, as many as there are fragments)
+        check_same_config(self.backend, f"{self.describe_outer()} {exchange}", "DiLoCo configs")
         with torch.no_grad():
             self.globals = [torch.nn.Parameter(_local(p).detach().clone()) for p in self.params]
         self.outer_opts = [torch.optim.SGD([g for g, f in zip(self.globals, self.fragment_of) if f == k],
                                            lr=self.config.outer_lr, momentum=self.config.momentum,
                                            nesterov=self.config.nesterov and self.config.momentum > 0)
                            for k in range(self.config.fragments)]
-        strategy = strategy or ("allreduce" if str(compressor) in ("none", "fp16", "bf16") else "allgather")
         self.exchangers = [GradientExchanger(compressor, self.backend, strategy=strategy,
                                              error_feedback=error_feedback, **exchange_options)
                            for _ in range(self.config.fragments)]
+        if self.config.feedback_decay != 1.0 and self.exchangers[0].strategy.feedback is None:
+            raise ValueError(f"feedback_decay={self.config.feedback_decay} decays error feedback, which is off for "
+                             f"{compressor} over {strategy} (error_feedback={error_feedback!r})")
         self.inner_step = 0
         self.syncs = 0
         self._pending: dict[int, tuple[int, Work[dict[str, Any]]]] = {}  # fragment -> (apply at, exchange)
-        self._checked = False
+        self._launched: dict[int, tuple[int, float]] = {}  # fragment -> (launch step, seconds the launch took)
         self.stats: list[dict[str, Any]] = []  # one record per sync: fragment, step, bytes sent
 
-    def describe(self) -> str:
+    def describe_outer(self) -> str:
+        """The outer settings and the model's layout (what every replica must share)."""
         layout = ",".join(f"{n}:{tuple(p.shape)}:{f}" for n, p, f in zip(self.names, self.params, self.fragment_of))
-        return f"diloco {self.config} exchange=({self.exchangers[0].describe()}) layout={layout}"
+        return f"diloco {self.config} layout={layout}"
+
+    def describe(self) -> str:
+        return f"{self.describe_outer()} exchange=({self.exchangers[0].describe()})"
 
     # ---- the loop ------------------------------------------------------------------
     def step(self) -> None:
@@ -128,19 +156,24 @@ class DiLoCo:
                     self._apply(k, self._pending[k][1])
 
     def _launch(self, k: int) -> None:
-        if not self._checked:
-            check_same_config(self.backend, self.describe(), "DiLoCo configs")
-            self._checked = True
+        started = time.perf_counter()
+        feedback = self.exchangers[k].strategy.feedback
+        if feedback is not None and self.config.feedback_decay != 1.0:
+            feedback.decay(self.config.feedback_decay)  # e = decay * e, then + this pseudo-gradient
         members = [i for i, f in enumerate(self.fragment_of) if f == k]
         with torch.no_grad():
             for i in members:  # the pseudo-gradient: where the replica went since the last sync, reversed
                 self.globals[i].grad = self.globals[i].detach() - _local(self.params[i]).detach()
         work = self.exchangers[k].exchange_async_([(self.names[i], self.globals[i]) for i in members])
         self._pending[k] = (self.inner_step + self.config.delay, work)
+        self._launched[k] = (self.inner_step, time.perf_counter() - started)
 
     def _apply(self, k: int, work: Work[dict[str, Any]]) -> None:
+        started = time.perf_counter()
         stats = work.wait()  # the mean pseudo-gradient is now in the fragment's global .grad
+        waited = time.perf_counter() - started
         del self._pending[k]
+        launched, launch_s = self._launched.pop(k)
         self.outer_opts[k].step()
         alpha = self.config.mix
         with torch.no_grad():
@@ -154,8 +187,16 @@ class DiLoCo:
                 else:
                     local.copy_(self.globals[i].detach())
         self.syncs += 1
-        self.stats.append({"fragment": k, "step": self.inner_step, "bytes_sent": stats["bytes_sent"],
-                           "dense_bytes": stats["dense_bytes"]})
+        # launch_s + wait_s: the communication the inner steps did not hide (encoding included)
+        self.stats.append({"fragment": k, "launched": launched, "step": self.inner_step,
+                           "bytes_sent": stats["bytes_sent"], "dense_bytes": stats["dense_bytes"],
+                           "launch_s": launch_s, "wait_s": waited})
+
+    def peak_bytes_in_flight(self) -> int:
+        """The most bytes this replica had in exchanges at once: a sync is in flight from the
+        step it launched through the step it applied (streamed fragments may overlap)."""
+        return max((sum(o["bytes_sent"] for o in self.stats if o["launched"] <= s["launched"] <= o["step"])
+                    for s in self.stats), default=0)
 
     def finish(self) -> None:
         """Apply every exchange still in flight (before evaluating or saving)."""

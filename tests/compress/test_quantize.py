@@ -15,7 +15,7 @@ from gradwire.compress.wire import Kind, Packet, Section, align, header_size
 from tensors import bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-SPECS = ["fp8", "fp8:format=e5m2,chunk=100", "int8", "int8:chunk=7", "qsgd", "qsgd:bits=1,bucket=64",
+SPECS = ["fp8", "fp8:format=e5m2,chunk=100", "fp4", "fp4:chunk=7", "int8", "int8:chunk=7", "qsgd", "qsgd:bits=1,bucket=64",
          "qsgd:bits=3,bucket=100", "qsgd:bits=4", "qsgd:bits=7,bucket=13", "terngrad", "terngrad:bucket=0",
          "terngrad:bucket=33", "sign", "sign:chunk=10", "onebit", "onebit:chunk=9"]
 STOCHASTIC = [s for s in SPECS if s.startswith(("qsgd", "terngrad"))]
@@ -55,11 +55,11 @@ def _formula(spec: str, n: int) -> list[int]:
     """Section bytes as documented in the quantize package's docstring."""
     c = gradwire.compressor(spec)
     g = -(-n // 8)
-    chunk = getattr(c, "chunk", None) if c.name in ("fp8", "int8", "sign", "onebit") else c.bucket
+    chunk = getattr(c, "chunk", None) if c.name in ("fp8", "fp4", "int8", "sign", "onebit") else c.bucket
     nc = (1 if n else 0) if chunk == 0 else -(-n // chunk)
     if c.name == "qsgd":
         return [4 * nc, g, c.bits * g]
-    return {"fp8": [4 * nc, n], "int8": [4 * nc, 4 * nc, n], "terngrad": [4 * nc, g, g], "sign": [4 * nc, g],
+    return {"fp8": [4 * nc, n], "fp4": [4 * nc, 4 * g], "int8": [4 * nc, 4 * nc, n], "terngrad": [4 * nc, g, g], "sign": [4 * nc, g],
             "onebit": [8 * nc, g]}[c.name]
 
 
@@ -87,7 +87,7 @@ def test_unpack_inverts_the_documented_bit_packing(b, n):
 def test_bits_per_element():
     n = 1 << 16
     for spec, want in [("qsgd:bits=8", 9), ("qsgd:bits=4", 5), ("qsgd:bits=1", 2), ("terngrad", 2),
-                       ("sign", 1), ("onebit", 1), ("int8", 8), ("fp8", 8)]:
+                       ("sign", 1), ("onebit", 1), ("int8", 8), ("fp8", 8), ("fp4", 5)]:
         bits = 8 * gradwire.compressor(spec).static_size(n) / n
         assert want <= bits < want + 0.6, spec
 
@@ -351,7 +351,7 @@ def test_non_finite_input_stays_non_finite_in_its_chunk(spec, dtype, bad):
     x[at] = bad
     y = c.decode(c.encode(x, Ctx(seed=1)).tensor())
     assert not torch.isfinite(y[at]), f"{spec} hid {bad} at its position"
-    chunk = getattr(c, "chunk", None) if c.name in ("fp8", "int8", "sign", "onebit") else c.bucket
+    chunk = getattr(c, "chunk", None) if c.name in ("fp8", "fp4", "int8", "sign", "onebit") else c.bucket
     if chunk:  # the other chunks are unaffected
         lo = at // chunk * chunk
         assert torch.isfinite(y[:lo]).all() and torch.isfinite(y[lo + chunk:]).all()
@@ -363,7 +363,7 @@ def test_non_finite_input_stays_non_finite_in_its_chunk(spec, dtype, bad):
 def test_huge_finite_values_stay_finite():
     """max/min-based formats cope with values near FLT_MAX (sums and norms would overflow)."""
     x = torch.tensor([3e38, -3e38, 1.0, 0.0] * 8)
-    for spec in ["int8", "fp8", "fp8:format=e5m2", "terngrad", "terngrad:bucket=0"]:
+    for spec in ["int8", "fp8", "fp8:format=e5m2", "fp4", "terngrad", "terngrad:bucket=0"]:
         c = gradwire.compressor(spec)
         assert torch.isfinite(c.decode(c.encode(x))).all(), spec
 
@@ -388,7 +388,7 @@ def test_defaults_and_canonical_specs():
 
 
 @pytest.mark.parametrize("spec", ["qsgd:bits=9", "qsgd:bits=0", "qsgd:bucket=0", "qsgd:bits=2.5", "fp8:format=e3m4",
-                                  "fp8:chunk=0", "int8:chunk=-1", "terngrad:bucket=-1", "sign:chunk=0",
+                                  "fp8:chunk=0", "fp4:chunk=0", "fp4:format=e3m0", "int8:chunk=-1", "terngrad:bucket=-1", "sign:chunk=0",
                                   "onebit:chunk=x", "int8:bits=4", "sign:chunk=4294967296"])
 def test_bad_params_raise_value_error(spec):
     with pytest.raises(ValueError):
@@ -437,7 +437,7 @@ def test_corrupted_packets_raise_wire_format_error(spec):
         c.decode(raw[:-8])
 
 
-@pytest.mark.parametrize("spec", ["qsgd:bits=3", "terngrad", "int8", "fp8", "onebit"])
+@pytest.mark.parametrize("spec", ["qsgd:bits=3", "terngrad", "int8", "fp8", "fp4", "onebit"])
 def test_garbage_contents_decode_without_error(spec):
     """Any bytes in correctly sized sections decode to a tensor of the right shape."""
     c = gradwire.compressor(spec)

@@ -16,7 +16,7 @@ from gradwire.compress.sparse.base import _Sparse
 NAMES = gradwire.available()
 
 DESIGN_CODEC_IDS = {"none": 1, "fp16": 2, "bf16": 3, "fp8": 4, "int8": 5, "topk": 6, "randomk": 7, "threshold": 8,
-                    "dgc": 9, "qsgd": 10, "terngrad": 11, "sign": 12, "onebit": 13, "zstd": 14}
+                    "dgc": 9, "qsgd": 10, "terngrad": 11, "sign": 12, "onebit": 13, "zstd": 14, "fp4": 15}
 
 
 def _cls(name: str) -> type[Compressor]:

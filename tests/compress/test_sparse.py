@@ -15,6 +15,7 @@ from gradwire.compress.wire import Kind, Packet, Section
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SPECS = ["topk:ratio=0.05", "topk:k=7,indices=raw", "topk:ratio=0.02,indices=packed",
+         "topk:ratio=0.05,chunk=64", "topk:k=3,chunk=1000,indices=raw",
          "dgc:ratio=0.05", "dgc:ratio=0.02,indices=raw,sample_ratio=0.05",
          "randomk:ratio=0.1", "randomk:k=9",
          "threshold:threshold=1.5", "threshold:threshold=0.5,indices=raw"]
@@ -82,7 +83,7 @@ def test_round_trip(spec: str, dtype: torch.dtype) -> None:
             assert torch.equal(flat_y[idx], flat_x[idx])
         if c.name == "threshold":
             assert torch.equal(idx, torch.nonzero(flat_x.float().abs() >= c.threshold).view(-1))
-        if c.name in ("topk", "dgc"):
+        if c.name in ("topk", "dgc") and not getattr(c, "chunk", 0):  # (chunked: its own test, below)
             assert torch.equal(idx, ref_topk(x, k))
 
 
@@ -161,6 +162,35 @@ def test_topk_and_dgc_match_sort_reference(name: str, x: torch.Tensor, cpu_path)
             idx, vals = fn()
             assert torch.equal(idx, want), (name, k)
             assert torch.equal(vals.view(torch.uint8), x[want].view(torch.uint8)), (name, k)
+
+
+@pytest.mark.parametrize("name,x", [c for c in _exact_cases() if c[0] in ("ties", "nonfinite", "clustered", "fp16_ties")],
+                         ids=["ties", "nonfinite", "clustered", "fp16_ties"])
+def test_chunked_topk_keeps_each_chunks_largest(name: str, x: torch.Tensor) -> None:
+    """chunk=C: every run of C elements keeps its own ceil(ratio * C) largest (the last,
+    shorter run from its own length; `k` per chunk when given), NaN > Inf > finite, ties to the
+    lowest index; the count is exact in the packet and the values are the input's."""
+    n = x.numel()
+    for spec, chunk, per in (("topk:ratio=0.01,chunk=4096", 4096, lambda m: math.ceil(0.01 * m)),
+                             ("topk:k=5,chunk=1000", 1000, lambda m: min(5, m)),
+                             ("topk:ratio=0.3,chunk=7", 7, lambda m: math.ceil(0.3 * m))):
+        c = gradwire.compressor(spec)
+        want = torch.cat([ref_topk(x[s: s + chunk], per(min(chunk, n - s))) + s for s in range(0, n, chunk)])
+        p = c.encode(x)
+        assert c.value_count(n) == want.numel() == p.sections[1].data.numel(), spec
+        assert torch.equal(_indices(c, p), want), (name, spec)
+        assert torch.equal(c.decode(p).view(-1)[want].view(torch.uint8), x[want].view(torch.uint8)), (name, spec)
+
+
+def test_chunked_topk_is_refused_by_the_strategies_that_select_from_the_sum() -> None:
+    from gradwire.comm.artopk import ARTopK
+    from gradwire.comm.oktopk import OkTopK
+
+    for cls in (OkTopK, ARTopK):
+        with pytest.raises(ValueError, match="plain topk compressor"):
+            cls(None, "topk:ratio=0.01,chunk=4096")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk"):
+        gradwire.compressor("topk:chunk=-1")
 
 
 def test_device_path_matches_host_path(monkeypatch) -> None:

@@ -21,7 +21,7 @@ from tensors import bits
 from feedback_oracle import OracleErrorFeedback
 from test_cuda_parity import cases, dev  # noqa: F401 - dev is the backend fixture
 
-EXACT = ["none", "fp16", "bf16", "fp8", "fp8:format=e5m2,chunk=100", "int8", "int8:chunk=37", "terngrad",
+EXACT = ["none", "fp16", "bf16", "fp8", "fp8:format=e5m2,chunk=100", "fp4", "fp4:chunk=37", "int8", "int8:chunk=37", "terngrad",
          "terngrad:bucket=0", "topk:ratio=0.05", "topk:ratio=0.05,indices=raw", "dgc:ratio=0.05",
          "threshold:threshold=1.0"]
 APPROX = ["qsgd", "qsgd:bits=4,bucket=100", "sign:chunk=333", "onebit", "onebit:chunk=100"]
@@ -114,6 +114,7 @@ STEADY = {  # spec -> the launches of one error-feedback step on fp32 (after the
     "fp16": [FE + "ef_cast<0, 1>"],
     "bf16": [FE + "ef_cast<0, 2>"],
     "fp8": [FE + "ef_seg_reduce<0, 0>", "elementwise.cu:seg_finish<0, 0>", FE + "ef_fp8<0, 0>"],
+    "fp4:chunk=37": [FE + "ef_seg_reduce<0, 0>", "elementwise.cu:seg_finish<0, 0>", FE + "ef_fp4<0>"],
     "int8:chunk=37": [FE + "ef_seg_reduce<0, 1>", "elementwise.cu:seg_finish<1, 1>", FE + "ef_int8<0>"],
     "qsgd:bits=4": [FE + "ef_seg_reduce<0, 3>", "elementwise.cu:seg_finish<3, 2>", FE + "ef_stochastic<0>"],
     "terngrad:bucket=0": [FE + "ef_seg_reduce<0, 0>", "elementwise.cu:seg_finish<0, 3>", FE + "ef_stochastic<0>"],

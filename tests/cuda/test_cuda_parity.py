@@ -10,7 +10,7 @@ builds with g++ on x86-64, so CI executes every kernel; sizes are trimmed there 
 keep CI time in bounds.
 
 Byte-identical: every compressor whose arithmetic has no floating-point reduction (casts,
-fp8, int8, terngrad, the sparsifiers, byte planes, zstd frames). Within tolerance: qsgd
+fp8, fp4, int8, terngrad, the sparsifiers, byte planes, zstd frames). Within tolerance: qsgd
 (L2 norms), sign and onebit (means) -- their sums run in another order on the GPU, so
 scales may differ in the last bits; the bits that do not depend on a sum (signs) must
 still match exactly, and qsgd levels may move by one step where a scale's last-bit
@@ -56,12 +56,12 @@ SIZES = [0, 1, 7, 1000, 4097, 65537, 1_000_003]
 BIG = (1 << 24) + 3  # > 2**24 elements: index and RNG arithmetic past 24 bits
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CTX = Ctx(seed=3, step=5, rank=1, key=77)
-EXACT = ["none", "fp16", "bf16", "fp8", "fp8:format=e5m2,chunk=100", "int8", "int8:chunk=37",
+EXACT = ["none", "fp16", "bf16", "fp8", "fp8:format=e5m2,chunk=100", "fp4", "fp4:chunk=37", "int8", "int8:chunk=37",
          "terngrad", "terngrad:bucket=0", "topk:ratio=0.01,indices=raw", "topk:ratio=0.01",
-         "topk:k=1", "dgc:ratio=0.01", "randomk:ratio=0.01", "threshold:threshold=0.5,indices=raw",
+         "topk:k=1", "topk:ratio=0.01,chunk=1000", "dgc:ratio=0.01", "randomk:ratio=0.01", "threshold:threshold=0.5,indices=raw",
          "threshold:threshold=2.5", "topk:ratio=0.01,indices=raw+fp16", "topk:ratio=0.05,indices=raw+int8"]
 APPROX = ["qsgd", "qsgd:bits=4,bucket=100", "qsgd:bits=1", "sign", "sign:chunk=333", "onebit", "onebit:chunk=100"]
-BIG_SPECS = ["topk:ratio=0.01,indices=raw", "dgc:ratio=0.001", "fp8", "int8", "terngrad",
+BIG_SPECS = ["topk:ratio=0.01,indices=raw", "dgc:ratio=0.001", "fp8", "fp4", "int8", "terngrad",
              "randomk:ratio=0.001", "bf16"]
 BIG_EMU = {"terngrad", "randomk:ratio=0.001", "bf16"}  # the rest: GPU only (CI time)
 

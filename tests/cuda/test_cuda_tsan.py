@@ -60,7 +60,7 @@ def test_byte_planes_race_free_under_tsan():
     assert torch.equal(back.view(torch.int16), x.view(torch.int16))
 
 
-EF_SPECS = ["fp16", "fp8", "int8:chunk=37", "qsgd:bits=4", "terngrad:bucket=0", "sign", "onebit",
+EF_SPECS = ["fp16", "fp8", "fp4:chunk=37", "int8:chunk=37", "qsgd:bits=4", "terngrad:bucket=0", "sign", "onebit",
             "topk:ratio=0.01,indices=raw"]
 
 

@@ -261,6 +261,16 @@ def test_methods_expand_over_ratios_and_map_onto_strategies() -> None:
         parse_method("topk:ratio=0.01@nosuch")
 
 
+def test_a_key_value_piece_continues_the_method_before_it() -> None:
+    """Methods whose own parameters hold commas can be listed: diloco's options, topk's chunk."""
+    assert cli.split_methods("none, diloco:H=30,fragments=3,delay=2+fp4,topk:ratio=0.01,chunk=4096+terngrad,bf16") == [
+        "none", "diloco:H=30,fragments=3,delay=2+fp4", "topk:ratio=0.01,chunk=4096+terngrad", "bf16"]
+    runs = cli.sweep_from(cli.build_parser().parse_args(
+        ["--methods", "diloco:H=30,fragments=3,delay=2+fp4,diloco:H=30+sparseloco", "--worlds", "2"])).runs()
+    assert [r.method for r in runs] == ["diloco:H=30,fragments=3,delay=2+fp4", "diloco:H=30+sparseloco"]
+    assert runs[0].resolved().outer == {"sync_every": 30, "fragments": 3, "delay": 2}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--methods", "nosuch"], "nosuch"),
     (["--links", "100mb"], "100mb"),

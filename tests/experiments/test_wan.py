@@ -241,6 +241,7 @@ def test_auto_measures_the_round_trip_between_nodes_and_not_inside_them() -> Non
     assert all(p.returncode == 0 for p in procs), outs
     got = json.loads(outs[0].splitlines()[-1])
     assert 0.015 <= got["inter"] <= 0.100, got  # seconds per round between nodes: about a round trip
-    assert got["intra"] < 0.002, got
+    # inside a node a round is a loopback hop: far below the round trip (2.4 ms seen on a busy 2-core CI machine)
+    assert got["intra"] < got["inter"] / 5, got
     assert got["flat"] >= 0.015, got
     assert 1e8 / 8 * got["inter_beta"] < 4, got  # and the rate: within 4x of 100 Mbit/s

@@ -40,7 +40,10 @@ def _train(rank: int, world: int, options: dict, steps: int = STEPS) -> dict:
         _inner_step(model, opt, rank, step)
         outer.step()
     outer.finish()
-    return {"params": [p.detach().clone() for p in model.parameters()], "stats": outer.stats}
+    return {"params": [p.detach().clone() for p in model.parameters()], "stats": outer.stats,
+            "peak": outer.peak_bytes_in_flight(),
+            "residuals": {k: v.clone() for k, v in outer.exchangers[0].strategy.feedback.residuals.items()}
+            if outer.exchangers[0].strategy.feedback is not None else None}
 
 
 def simulate(world: int, steps: int, sync_every: int, fragments: int = 1, delay: int = 0, mix: float = 0.0,
@@ -110,6 +113,25 @@ def test_int8_pseudo_gradients_send_a_quarter_and_replicas_stay_identical() -> N
     assert all(torch.equal(x, y) for x, y in zip(int8[0]["params"], int8[1]["params"]))
     for x, y in zip(int8[0]["params"], dense[0]["params"]):
         torch.testing.assert_close(x, y, rtol=0.05, atol=0.02)  # close to uncompressed, not equal
+
+
+def test_streamed_fp4_outer_gradients_send_a_sixth_and_report_the_bytes_in_flight() -> None:
+    """Streaming DiLoCo with fp4 outer gradients (the Streaming DiLoCo paper's): each sync sends
+    about 5 bits per weight instead of 32; a fragment is in flight from its launch to its apply,
+    `delay` steps later (never beside another fragment's), so the peak bytes in flight is the
+    largest fragment's packet; every sync reports how long its launch and its wait took (the
+    communication the inner steps did not hide)."""
+    opts = dict(sync_every=6, fragments=2, delay=2)
+    dense, fp4 = (run_ranks(_train, 2, dict(opts, compressor=c)) for c in ("none", "fp4"))
+    stats = fp4[0]["stats"]
+    assert [(s["fragment"], s["launched"], s["step"]) for s in stats] == [(0, 3, 5), (1, 6, 8), (0, 9, 9)]
+    assert all(s["launch_s"] >= 0 and s["wait_s"] >= 0 for s in stats)
+    ratio = sum(s["bytes_sent"] for s in dense[0]["stats"]) / sum(s["bytes_sent"] for s in stats)
+    assert 4.5 < ratio < 6.4, ratio  # 32 bits over 4 + 32/32 (headers make it a little less)
+    for run in (fp4, dense):
+        assert run[0]["peak"] == max(s["bytes_sent"] for s in run[0]["stats"]) > 0
+    for x, y in zip(fp4[0]["params"], dense[0]["params"]):
+        torch.testing.assert_close(x, y, rtol=0.1, atol=0.05)  # close to uncompressed, not equal
 
 
 def _mismatch(rank: int, world: int) -> str:
@@ -190,3 +212,109 @@ def test_gradwire_experiment_runs_diloco_methods(tmp_path) -> None:
     steps = [json.loads(line) for line in (out / "runs" / diloco["run_id"] / "steps.jsonl").read_text().splitlines()]
     synced = [r["step"] for r in steps if r["type"] == "step" and r["bytes_sent"]]
     assert synced == [10, 20, 30, 40]
+
+
+def _fragments_mismatch(rank: int, world: int) -> str:
+    try:
+        _train(rank, world, dict(sync_every=4, fragments=1 + rank))
+    except ConfigMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_replicas_with_another_fragment_schedule_all_raise_diloco_s_own_error() -> None:
+    """The outer settings are compared before any per-fragment exchanger is built (those run
+    checks of their own, as many as there are fragments)."""
+    for message in run_ranks(_fragments_mismatch, 2):
+        assert "DiLoCo configs differ" in message and "fragments=1" in message and "fragments=2" in message
+
+
+def _decayed(rank: int, world: int) -> dict:
+    options = dict(sync_every=3, compressor="topk:ratio=0.1,chunk=64", momentum=0.0, outer_lr=1.0,
+                   feedback_decay=0.5)
+    return _train(rank, world, options, steps=9)
+
+
+def simulate_sparseloco(world: int, steps: int, sync_every: int, spec: str, decay: float,
+                        outer_lr: float) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """SparseLoCo's equations, every replica in one process: e = decay * e + (global - local);
+    sent = C(e); e -= sent; global -= outer_lr * mean(sent); locals = global. A tensor whose
+    packet would not be smaller than its raw bytes (a 4-element bias) is sent exactly, with no
+    accumulator, as every gradwire exchange does (`worth_compressing`)."""
+    import gradwire
+    from gradwire.comm.base import worth_compressing
+
+    c = gradwire.compressor(spec)
+    models = [_model() for _ in range(world)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    names = [n for n, _ in models[0].named_parameters()]
+    glob = [p.detach().clone() for p in models[0].parameters()]
+    compressed = {n for n, g in zip(names, glob) if worth_compressing(c, g.numel(), g.dtype)}
+    errors: list[dict[str, torch.Tensor]] = [{n: torch.zeros_like(g) for n, g in zip(names, glob) if n in compressed}
+                                             for _ in models]
+    for step in range(steps):
+        for r, (m, o) in enumerate(zip(models, opts)):
+            _inner_step(m, o, r, step)
+        if (step + 1) % sync_every:
+            continue
+        sent = []
+        for m, e in zip(models, errors):
+            mine = []
+            for n, g, p in zip(names, glob, m.parameters()):
+                if n not in compressed:
+                    mine.append(g - p.detach())
+                    continue
+                e[n] = decay * e[n] + (g - p.detach())
+                s = c.decode(c.encode(e[n]), shape=e[n].shape)
+                e[n] = e[n] - s
+                mine.append(s)
+            sent.append(mine)
+        glob = [g - outer_lr * sum(s[i] for s in sent) / world for i, g in enumerate(glob)]
+        with torch.no_grad():
+            for m in models:
+                for p, g in zip(m.parameters(), glob):
+                    p.copy_(g)
+    return glob, errors
+
+
+def test_feedback_decay_follows_sparseloco_s_equations() -> None:
+    """Error feedback that decays in place of outer momentum, chunked top-k, plain SGD: the
+    weights and each replica's accumulator match the equations run in one process."""
+    results = run_ranks(_decayed, 2)
+    glob, errors = simulate_sparseloco(2, 9, 3, "topk:ratio=0.1,chunk=64", 0.5, 1.0)
+    for r, out in enumerate(results):
+        for x, want in zip(out["params"], glob):
+            torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-6)
+        assert set(out["residuals"]) == set(errors[r])
+        for name, e in out["residuals"].items():
+            torch.testing.assert_close(e, errors[r][name].reshape(-1), rtol=1e-5, atol=1e-6)
+            assert e.abs().sum() > 0  # (the accumulator holds what was not sent)
+
+
+def _sparseloco_bytes(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 512))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = {}
+    for name in ("sparseloco", "bf16"):
+        outer = DiLoCo(model, sync_every=2, compressor=name)
+        for step in range(2):
+            x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(100 * rank + step))
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            outer.step()
+        out[name] = (outer.stats[-1]["bytes_sent"], outer.config, str(outer.exchangers[0].compressor))
+    return out
+
+
+def test_the_sparseloco_recipe_sends_150x_fewer_bytes_than_bf16() -> None:
+    """1% of each chunk of 4096 with 2-bit values: on a 1.6M-parameter model one sync sends
+    at least 150x fewer bytes than the same sync in bf16; no outer momentum, decaying feedback."""
+    a, b = run_ranks(_sparseloco_bytes, 2)
+    assert a["sparseloco"][1:] == b["sparseloco"][1:]  # (the bytes may differ: index coding follows the data)
+    sparse, config, spec = a["sparseloco"]
+    for run in (a, b):
+        assert run["bf16"][0] >= 150 * run["sparseloco"][0], (run["bf16"][0], run["sparseloco"][0])
+    assert spec == "topk:chunk=4096+terngrad"
+    assert (config.momentum, config.outer_lr, config.feedback_decay) == (0.0, 1.0, 0.95)

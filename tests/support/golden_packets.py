@@ -26,6 +26,7 @@ SPECS = [
     "dgc:ratio=0.01", "dgc:ratio=0.02,indices=packed",
     "zstd", "fp16+zstd", "topk:ratio=0.01+qsgd:bits=4", "topk:ratio=0.01+fp16+zstd",
     "randomk:ratio=0.02+int8", "threshold:threshold=1.5+sign", "dgc:ratio=0.01+fp8+zstd:level=3",
+    "fp4", "fp4:chunk=100", "topk:ratio=0.01,chunk=1024+terngrad",
 ]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 NUMEL = 12_345

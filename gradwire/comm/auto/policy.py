@@ -1,5 +1,6 @@
 """How `auto` chooses among candidates' times, modelled or measured: a near-tie goes to the
-exchange that changes training least.
+exchange that changes training least, and between dense and bf16 (the same exchange but for a
+rounding torch's own bf16 hook applies) to the faster.
 
 Tests: tests/comm/test_auto.py.
 """
@@ -11,6 +12,10 @@ from __future__ import annotations
 # hierarchical each node's; oktopk and artopk keep about k entries of the global sum (artopk: at
 # one rank's positions), so they lose more per step.
 PREFERENCE = ("dense", "bf16", "hierarchical_bf16", "allgather", "hierarchical", "powersgd")
+#: Candidates that change training alike: the faster of them wins outright. bf16 costs no
+#: measurable quality, while preferring dense in a near-tie keeps twice the bytes on the wire, a
+#: cost a few timed steps can underrate (docs/benchmarks.md, "Round-trip time").
+ALIKE = (("dense", "bf16"),)
 APPROXIMATE = ("oktopk", "artopk")
 MARGIN = 0.10  # a candidate this much slower than the fastest, by the model, still counts as as fast
 #: The same for times measured in the trial: tighter, because it is a measurement, and because
@@ -21,7 +26,7 @@ TRIAL_MARGIN = 0.03
 TRIAL_CLOSE = 0.25
 #: After each candidate's first timed turn, one whose step took more than this many times the
 #: fastest's is timed no more: it cannot come within TRIAL_MARGIN, and its turns are the slowest.
-TRIAL_DROP = 2.0
+TRIAL_DROP = 1.5
 APPROXIMATE_GAIN = 4.0  # oktopk/artopk must be this many times faster than the others
 
 
@@ -37,6 +42,8 @@ def prefer(times: dict[str, float], margin: float = MARGIN, gain: float = APPROX
         best = min(exact.values())
         ranked = [n for n in PREFERENCE if n in exact] + [n for n in exact if n not in PREFERENCE]
         choice = next(n for n in ranked if exact[n] <= best * (1 + margin))
+        alike = next((group for group in ALIKE if choice in group), (choice,))
+        choice = min((n for n in alike if n in exact), key=lambda n: exact[n])
         if not approx or min(approx.values()) * gain > best:
             return choice
     return min(approx, key=lambda n: approx[n])

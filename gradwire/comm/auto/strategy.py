@@ -152,7 +152,7 @@ class Auto(Strategy):
             self.subs["powersgd"] = PowerSGD(backend, error_feedback, **lowrank)  # (its compute: the trial)
         else:
             self.subs["allgather"] = Allgather(backend, c, error_feedback, min_numel)
-        if c.name == "topk":
+        if c.name == "topk" and not getattr(c, "chunk", 0):  # (chunked top-k is not oktopk's selection)
             # (not artopk: one rank's positions for everyone cost accuracy; docs/benchmarks.md)
             self.subs["oktopk"] = OkTopK(backend, c, error_feedback)
         self.nodes: Hierarchical | None = None  # on several nodes of several ranks: their links
@@ -352,8 +352,8 @@ class Auto(Strategy):
         # (allgather keeps what the compressor chose, as the tie-break does; else the fastest compressed)
         best = "allgather" if "allgather" in self.subs or not compressed else min(compressed, key=compressed.get)
         timing = f"{how}: {listed(times)}" + (f"; modelled: {listed(modelled)}" if modelled is not times else "")
-        log.warning("gradwire auto: %s %d of %d buckets uncompressed: a dense allreduce is the fastest exchange "
-                    "per step here (%s), so compressing (%s) would cost more time than it saves on these links. "
+        log.warning("gradwire auto: %s %d of %d buckets uncompressed: a dense allreduce steps as fast as any "
+                    "exchange here (%s), so compressing (%s) would cost more time than it saves on these links. "
                     "To compress anyway pass strategy=%r (state.strategy.choices shows the choice per bucket).",
                     "sends" if how == "measured" else "will send", dense, len(chosen), timing, self.compressor, best)
 

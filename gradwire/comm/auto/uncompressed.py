@@ -19,6 +19,7 @@ import torch
 from ...compress import Ctx
 from ..backend import Work
 from ..base import ExchangeStats, Strategy, take_stats_of
+from . import policy
 from .turns import TimedTurns
 
 
@@ -27,9 +28,9 @@ log = logging.getLogger("gradwire")
 
 class FasterUncompressed(Strategy):
     """The candidates (dense, bf16, ...) take turns (turns.py), one step each: a round untimed,
-    then `rounds` timed rounds, each timed by its step's span. Every bucket then takes the first
-    in the given order within `margin` of the fastest (the same on all ranks): dense unless
-    another is clearly faster."""
+    then `rounds` timed rounds, each timed by its step's span. Every bucket then takes what
+    `policy.prefer` takes within `margin` (the same on all ranks): the faster of dense and bf16
+    unless bf16 between nodes only is clearly faster still."""
 
     name = "uncompressed"
 
@@ -67,7 +68,7 @@ class FasterUncompressed(Strategy):
     def _choose(self) -> None:
         self.turns.agree()
         steps = self.turns.measured  # a step's span: its buckets' overlap counted
-        best = next(n for n in self.subs if steps[n] <= min(steps.values()) * (1 + self.margin))
+        best = policy.prefer(steps, margin=self.margin)
         self.choices = {b: best for b in self.measured_per_bucket}
         log.info("gradwire auto: uncompressed steps: %s (per step: %s; per bucket: %s)", best,
                  ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in steps.items()), "; ".join(

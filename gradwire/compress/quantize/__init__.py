@@ -1,13 +1,13 @@
-"""Dense quantizers, one module each: `fp8`, `int8`, `qsgd`, `terngrad`, `sign` (with
+"""Dense quantizers, one module each: `fp8`, `fp4`, `int8`, `qsgd`, `terngrad`, `sign` (with
 `onebit`). The machinery they share is `tiles` (tile loop, bit packing, `_Residual`,
 `_Chunked`); qsgd and terngrad share the stochastic rounding of `stochastic`.
 
-All six cut the flat tensor into chunks (``chunk``/``bucket`` elements; the last one may
+All of them cut the flat tensor into chunks (``chunk``/``bucket`` elements; the last one may
 be shorter) and keep one or two fp32 numbers per chunk. Chunks are never looped over in
 Python: every step is a torch op over 2-D ``(chunks, chunk)`` views, plus a 1-row view
 for a trailing partial chunk (only fixed-size cache tiles are looped over: `tiles`).
 
-Specs and defaults: ``fp8:format=e4m3|e5m2,chunk=1024``, ``int8:chunk=1024``,
+Specs and defaults: ``fp8:format=e4m3|e5m2,chunk=1024``, ``fp4:chunk=32``, ``int8:chunk=1024``,
 ``qsgd:bits=8,bucket=512`` (bits 1..8; bits + 1 bits per element), ``terngrad:bucket=512``
 (0: one scale per tensor), ``sign:chunk=1024``, ``onebit:chunk=1024``. Only qsgd and
 terngrad are stochastic; none is summable.
@@ -19,6 +19,7 @@ Wire formats (n = numel, c = ceil(n / chunk), g = ceil(n / 8); every section is 
 codec         sections, in order                                       section bytes
 ============  =======================================================  =========================
 fp8     (4)   SCALES fp32 [c], DATA float8_e4m3fn/float8_e5m2 [n]      4c, n
+fp4    (15)   SCALES fp32 [c], DATA uint8 [4g] (e2m1 codes, 2 per byte) 4c, 4g
 int8    (5)   SCALES fp32 [c], OFFSETS fp32 [c], DATA uint8 [n]        4c, 4c, n
 qsgd   (10)   SCALES fp32 [c] (L2 norms), BITS uint8 [g] (signs),      4c, g, bits * g
               DATA uint8 [bits * g] (levels)
@@ -54,10 +55,11 @@ quant.cuh). Tests: tests/compress/test_quantize.py, tests/cuda/test_cuda_parity.
 
 from __future__ import annotations
 
+from .fp4 import FP4
 from .fp8 import FP8
 from .int8 import Int8
 from .qsgd import QSGD
 from .sign import OneBit, Sign
 from .terngrad import TernGrad
 
-__all__ = ["FP8", "Int8", "QSGD", "TernGrad", "Sign", "OneBit"]
+__all__ = ["FP8", "FP4", "Int8", "QSGD", "TernGrad", "Sign", "OneBit"]

@@ -135,6 +135,25 @@ GW_HD float e4m3_to_f32(u8 c) {
 
 GW_HD float e5m2_to_f32(u8 c) { return f16_to_f32((u16)((u16)c << 8)); }
 
+// fp4 e2m1 (OCP microscaling): sign, 2 exponent bits (bias 1), 1 mantissa bit; magnitudes
+// 0, 0.5, 1, 1.5, 2, 3, 4, 6. Round to nearest, ties to the even code (the thresholds
+// alternate between > and >=); above 6 saturates to 6; NaN is code 0 (no sign: a NaN's
+// sign bit differs between CPU and GPU; its chunk's scale is non-finite anyway).
+GW_HD u32 f32_to_e2m1(float f) {
+    if (is_nan(f)) return 0u;
+    const float a = abs_f(f);
+    const u32 m = (u32)(a > 0.25f) + (u32)(a >= 0.75f) + (u32)(a > 1.25f) + (u32)(a >= 1.75f)
+                + (u32)(a > 2.5f) + (u32)(a >= 3.5f) + (u32)(a > 5.0f);
+    return m | ((f2u(f) >> 31) << 3);
+}
+
+// Exact: 0.5 * mantissa below exponent 1, else (1 + 0.5 * mantissa) * 2^(e - 1).
+GW_HD float e2m1_to_f32(u32 c) {
+    const u32 s = (c & 8u) << 28, e = (c >> 1) & 3u, m = c & 1u;
+    if (e == 0) return u2f(s | (m ? 0x3F000000u : 0u));
+    return u2f(s | ((e + 126u) << 23) | (m << 22));
+}
+
 // Element access by dtype code: fp32 is stored as float, fp16/bf16 as their u16 bits.
 template <int DT> struct Elem;
 template <> struct Elem<GW_F32> {

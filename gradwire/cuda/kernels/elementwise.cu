@@ -1,4 +1,4 @@
-// Casts, per-chunk statistics and the dense quantizers (fp8, int8, qsgd, terngrad,
+// Casts, per-chunk statistics and the dense quantizers (fp8, fp4, int8, qsgd, terngrad,
 // sign, onebit): encode and decode. Semantics follow gradwire/compress/quantize/
 // operation for operation; the module is compiled with --fmad=false so every float
 // multiply and add rounds on its own, as torch's CPU ops do.
@@ -92,6 +92,22 @@ __global__ void fp8_encode(const typename Elem<DT>::T* x, i64 n, i64 chunk, cons
     }
 }
 
+// fp4: two e2m1 codes per byte, element 2j in the low nibble; f0 = min(6 / absmax, FLT_MAX).
+template <int DT>
+__global__ void fp4_encode(const typename Elem<DT>::T* x, i64 n, i64 chunk, const float* f0, u8* data) {
+    GW_LOOP(g, (n + 7) / 8) {
+        GW_GROUP_BEGIN
+        u32 w = 0;
+        for (int k = 0; k < 8; ++k) {
+            const i64 i = i0 + k;
+            if (i >= n) break;
+            GW_GROUP_ADVANCE(i)
+            w |= f32_to_e2m1(Elem<DT>::load(x[i]) * f0[c]) << (4 * k);
+        }
+        for (int j = 0; j < 4; ++j) data[4 * g + j] = (u8)(w >> (8 * j));
+    }
+}
+
 template <int DT>
 __global__ void int8_encode(const typename Elem<DT>::T* x, i64 n, i64 chunk, const float* inv, const float* lo,
                             u8* codes) {
@@ -148,6 +164,14 @@ __global__ void fp8_decode(const u8* codes, const float* scales, i64 n, i64 chun
     GW_LOOP(i, n) {
         const float v = FMT == 0 ? e4m3_to_f32(codes[i]) : e5m2_to_f32(codes[i]);
         y[i] = Elem<DT>::store(v * scales[i / chunk]);
+    }
+}
+
+template <int DT>
+__global__ void fp4_decode(const u8* data, const float* scales, i64 n, i64 chunk, typename Elem<DT>::T* y) {
+    GW_LOOP(i, n) {
+        const u32 code = (data[i >> 1] >> (4 * (i & 1))) & 15u;
+        y[i] = Elem<DT>::store(e2m1_to_f32(code) * scales[i / chunk]);
     }
 }
 

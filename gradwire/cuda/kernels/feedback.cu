@@ -84,6 +84,27 @@ __global__ void ef_fp8(typename Elem<DT>::T* out, i64 n, i64 chunk, const float*
 }
 
 template <int DT>
+__global__ void ef_fp4(typename Elem<DT>::T* out, i64 n, i64 chunk, const float* f0, const float* scales,
+                       u8* data, u32* bad) {
+    GW_LOOP(g, (n + 7) / 8) {
+        GW_GROUP_BEGIN
+        u32 w = 0;
+        for (int k = 0; k < 8; ++k) {
+            const i64 i = i0 + k;
+            if (i >= n) break;
+            GW_GROUP_ADVANCE(i)
+            const typename Elem<DT>::T cv = out[i];
+            const u32 code = f32_to_e2m1(__fmul_rn(Elem<DT>::load(cv), f0[c]));
+            w |= code << (4 * k);
+            const typename Elem<DT>::T r = residual<DT>(cv, __fmul_rn(e2m1_to_f32(code), scales[c]));
+            out[i] = r;
+            flag_nonfinite<DT>(r, bad);
+        }
+        for (int j = 0; j < 4; ++j) data[4 * g + j] = (u8)(w >> (8 * j));
+    }
+}
+
+template <int DT>
 __global__ void ef_int8(typename Elem<DT>::T* out, i64 n, i64 chunk, const float* inv, const float* lo,
                         const float* scales, u8* codes, u32* bad) {
     GW_LOOP(g, (n + 7) / 8) {

@@ -32,7 +32,7 @@ from gradwire.compress.wire import DTYPE_CODES, Kind, Packet, Section
 OUT = Path(__file__).with_name("corpus.json")
 HUGE = 1 << 32
 # every codec, plus chains that nest (value stage) and wrap (lossless)
-SPECS = ["none", "fp16", "bf16", "fp8", "int8", "qsgd", "terngrad", "sign", "onebit", "topk:k=1", "randomk:k=1",
+SPECS = ["none", "fp16", "bf16", "fp8", "fp4", "int8", "qsgd", "terngrad", "sign", "onebit", "topk:k=1", "randomk:k=1",
          "threshold", "dgc:k=1", "zstd", "topk:k=1+fp16", "threshold+int8", "topk:k=1+zstd", "fp16+zstd"]
 entries: list[dict] = []
 

@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# Outer-loop synchronization across a WAN (issue 28): the charlm transformer as 4 replicas on 2 emulated nodes x 2 ranks, 100 Mbit/s and 1 Gbit/s between nodes with 40 ms round trips; dense DDP and powersgd@auto beside DiLoCo (H = 30 and 100, uncompressed, int8, SparseLoCo's recipe) and Streaming DiLoCo (3 fragments, 2 steps of overlap) with fp4 outer gradients; same steps and batch for all; seed 0.
+# Needs root, iproute2 and vde2 (scripts/install-wan.sh). About 45 minutes on a 2-core machine; resumable (rerun the same command). Run from any folder: bash experiments/tta-wan-diloco-charlm.sh [extra options]
+exec gradwire experiment --task charlm --batch 2 --nodes 2 --ranks-per-node 2 --links 100mbit,1gbit --rtt 40ms --seeds 0 --methods none,powersgd:rank=8@auto,diloco:H=30,diloco:H=100,diloco:H=30+int8,diloco:H=30+sparseloco,diloco:H=30,fragments=3,delay=2+fp4 --steps 300 --eval-every 25 --out experiment-results/tta-wan-diloco-charlm "$@"
