@@ -39,6 +39,8 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
         return Method("dense", "none", "dense", {}, False)
     if spec.split("+")[0].split(":")[0].split("@")[0] == "diloco":
         return _diloco(spec, error_feedback)
+    if spec.split(":")[0] == TORCHFT:
+        return _torchft(spec)
     label = spec
     compressor, via, named = split_method(spec)  # the hooks' own spelling; raises ValueError naming what was wrong
     if compressor == "none" and via is not None and (via == "powersgd" or named.get("inner") == "powersgd"):
@@ -59,6 +61,32 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
 
 OUTER_OPTIONS = {"H": "sync_every", "fragments": "fragments", "delay": "delay", "mix": "mix",
                  "outer_lr": "outer_lr", "momentum": "momentum", "decay": "feedback_decay"}
+
+
+TORCHFT = "torchft-diloco"
+TORCHFT_OPTIONS = ("H", "fragments", "delay", "mix")
+
+
+def _torchft(spec: str) -> Method:
+    """`torchft-diloco:H=100[,fragments=F,delay=T,mix=A]`: torchft's own DiLoCo (uncompressed fp32
+    allreduce, Nesterov outer SGD as gradwire's), the outside reference for the outer loop."""
+    head, _, args = spec.partition(":")
+    if "+" in spec or "@" in spec:
+        raise ValueError(f"{spec!r}: torchft's DiLoCo sends fp32 over its own allreduce; it takes no compressor "
+                         "or strategy")
+    outer: dict[str, Any] = {}
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in TORCHFT_OPTIONS:
+            raise ValueError(f"{TORCHFT} takes {', '.join(f'{k}=' for k in TORCHFT_OPTIONS)}; got {item!r} in {spec!r}")
+        number = float(value)
+        outer[OUTER_OPTIONS[key.strip()]] = number if key.strip() == "mix" else int(number)
+    if "sync_every" not in outer:
+        raise ValueError(f"{spec!r}: say how often replicas sync, e.g. {TORCHFT}:H=100")
+    OuterConfig(**outer)  # (the same checks as gradwire's DiLoCo)
+    if outer["sync_every"] % outer.get("fragments", 1):
+        raise ValueError(f"{spec!r}: torchft needs H to be a multiple of the fragments")
+    return Method(spec, "none", "torchft", {}, False, outer)
 
 
 def _diloco(spec: str, error_feedback: str) -> Method:

@@ -146,6 +146,46 @@ class _OuterStats:
         return model
 
 
+class _TorchftStats:
+    """torchft's DiLoCo (the outside reference) read like `_OuterStats`: the syncs it issued in the
+    step; built once the inner optimizer exists (torchft hooks its step)."""
+
+    def __init__(self, method: Any, rank: int, world: int, addr: str) -> None:
+        self.method, self.rank, self.world, self.addr = method, rank, world, addr
+        self.anchor: Any = None
+        self.seen = 0
+
+    def start(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        from .torchft_anchor import TorchftDiLoCo
+
+        self.anchor = TorchftDiLoCo(model, opt, rank=self.rank, world=self.world, host=own_address(self.addr),
+                                    **self.method.outer)
+        self.anchor.__enter__()
+
+    def close(self) -> None:
+        self.anchor.__exit__(None, None, None)
+        self.anchor.close()
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        new, self.seen = self.anchor.stats[self.seen:], len(self.anchor.stats)
+        return {"bytes_sent": sum(s["bytes_sent"] for s in new), "dense_bytes": sum(s["dense_bytes"] for s in new)} \
+            if new else {}
+
+    def global_model(self) -> torch.nn.Module:
+        return self.anchor.global_model()
+
+
+def own_address(peer: str) -> str:
+    """This process's IP address on the route to `peer` (its namespace's link in the emulated
+    cluster, loopback otherwise): where torchft's servers bind so the other replicas reach them."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))  # (UDP: no packet is sent)
+        return str(s.getsockname()[0])
+
+
 class _FSDPStats:
     """The DDP state's `last_stats`, read from the FSDP hook's per-step totals."""
 
@@ -157,7 +197,7 @@ class _FSDPStats:
         return self.state.take_stats().as_dict()
 
 
-def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any] | None:
+def train(cfg: RunConfig, run_dir: Path, rank: int, world: int, addr: str = "127.0.0.1") -> dict[str, Any] | None:
     task = get_task(cfg.task)
     cache = Path(os.environ.get("GRADWIRE_DATA_CACHE", Path.home() / ".cache" / "gradwire" / "data"))
     ds = task.load(Path(cfg.data_dir) if cfg.data_dir else None, cache)
@@ -186,6 +226,9 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
                                               replicate_group=mesh["replicate"].get_group(),
                                               error_feedback=method.error_feedback, seed=cfg.seed,
                                               **method.options))
+    elif method.strategy == "torchft":  # torchft's DiLoCo: started below, once the optimizer exists
+        ddp = model
+        state = _TorchftStats(method, rank, world, addr)
     elif method.outer:  # DiLoCo: every rank a replica training alone, syncing every H steps
         ddp = model
         state = _OuterStats(DiLoCo(model, compressor=method.compressor, strategy=method.strategy,
@@ -197,6 +240,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
                                             error_feedback=method.error_feedback, seed=cfg.seed,
                                             **cfg.hook_options(), **method.options)
     opt = make_optimizer(task, ddp, cfg.lr, "precondition" in cfg.hook_options())
+    if isinstance(state, _TorchftStats):
+        state.start(model, opt)
     # cosine decay to zero over the run: final accuracies settle instead of riding the noise of a constant lr
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
     records = open(run_dir / "steps.jsonl", "w") if rank == 0 else None
@@ -216,7 +261,7 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
 
     def log_eval(step: int) -> dict[str, float]:
         # FSDP's forward all-gathers parameters: every rank evaluates, rank 0 records
-        evaluated = state.global_model() if isinstance(state, _OuterStats) else model
+        evaluated = state.global_model() if isinstance(state, (_OuterStats, _TorchftStats)) else model
         metrics = evaluate(evaluated, task, ds) if rank == 0 or cfg.engine != "ddp" else {}
         log({"type": "eval", "step": step, "epoch": epochs(step), "wall_s": wall,
              "cum_bytes_sent": totals["bytes_sent"], **metrics})
@@ -256,6 +301,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
             state.outer.finish()  # (a streamed fragment still in flight lands before the last evaluation)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics = log_eval(step)
+    if isinstance(state, _TorchftStats):
+        state.close()
     dist.barrier()  # every rank of every node is done sending: the link counters cover all training steps
     tx_end = link_tx_bytes()
     if tx_start is not None and tx_end is not None and rank % cfg.ranks_per_node == 0:
@@ -296,6 +343,9 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any
         summary["exposed_comm_s"] = exposed
         summary["syncs"] = len(state.outer.stats)
         summary["peak_bytes_in_flight"] = state.outer.peak_bytes_in_flight()
+    elif isinstance(state, _TorchftStats):  # (its exchanges are not timed: per-step utilization as above)
+        summary["syncs"] = len(state.anchor.stats)
+        summary["peak_bytes_in_flight"] = max((s["bytes_sent"] for s in state.anchor.stats), default=0)
     links = [r["node_link_tx_bytes"] for r in per_rank if "node_link_tx_bytes" in r]
     if links:  # measured on the emulated cluster's links: what really crossed between nodes
         summary["inter_node_wire_bytes_per_rank"] = sum(links) / world
@@ -311,7 +361,7 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=cfg.world,
                             timeout=timedelta(seconds=float(os.environ.get("GRADWIRE_EXPERIMENT_TIMEOUT", "300"))))
     try:
-        summary = train(cfg, run_dir, rank, cfg.world)
+        summary = train(cfg, run_dir, rank, cfg.world, addr)
         if summary is not None:
             tmp = run_dir / "summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=1))

@@ -21,7 +21,7 @@ from tensors import bits
 from feedback_oracle import OracleErrorFeedback
 from test_cuda_parity import cases, dev  # noqa: F401 - dev is the backend fixture
 
-EXACT = ["none", "fp16", "bf16", "fp8", "fp8:format=e5m2,chunk=100", "fp4", "fp4:chunk=37", "int8", "int8:chunk=37", "terngrad",
+EXACT = ["none", "fp16", "bf16", "fp8", "fp8:format=e5m2,chunk=100", "fp4:chunk=37", "int8", "int8:chunk=37", "terngrad",
          "terngrad:bucket=0", "topk:ratio=0.05", "topk:ratio=0.05,indices=raw", "dgc:ratio=0.05",
          "threshold:threshold=1.0"]
 APPROX = ["qsgd", "qsgd:bits=4,bucket=100", "sign:chunk=333", "onebit", "onebit:chunk=100"]

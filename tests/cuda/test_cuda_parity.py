@@ -56,7 +56,7 @@ SIZES = [0, 1, 7, 1000, 4097, 65537, 1_000_003]
 BIG = (1 << 24) + 3  # > 2**24 elements: index and RNG arithmetic past 24 bits
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CTX = Ctx(seed=3, step=5, rank=1, key=77)
-EXACT = ["none", "fp16", "bf16", "fp8", "fp8:format=e5m2,chunk=100", "fp4", "fp4:chunk=37", "int8", "int8:chunk=37",
+EXACT = ["none", "fp16", "bf16", "fp8", "fp8:format=e5m2,chunk=100", "fp4:chunk=37", "int8", "int8:chunk=37",
          "terngrad", "terngrad:bucket=0", "topk:ratio=0.01,indices=raw", "topk:ratio=0.01",
          "topk:k=1", "topk:ratio=0.01,chunk=1000", "dgc:ratio=0.01", "randomk:ratio=0.01", "threshold:threshold=0.5,indices=raw",
          "threshold:threshold=2.5", "topk:ratio=0.01,indices=raw+fp16", "topk:ratio=0.05,indices=raw+int8"]

@@ -80,3 +80,28 @@ def test_torchft_issues_a_delayed_fragment_tau_steps_before_its_sync(monkeypatch
     assert [s["step"] for s in a["torchft_stats"]] == [1, 3, 5, 7]
     assert [s["launched"] for s in a["ours_stats"]] == [2, 4, 6, 8]
     assert all(torch.equal(x, y) for x, y in zip(a["torchft_global"], b["torchft_global"]))
+
+
+def test_gradwire_experiment_runs_torchft_s_diloco_beside_its_own(tmp_path, monkeypatch) -> None:
+    """`torchft-diloco:H=10` in a real 2-rank `gradwire experiment` sweep trains exactly as
+    `diloco:H=10`: the same final metrics and bytes (the same algorithm, fp32 over an allreduce),
+    so the WAN sweeps can run torchft's DiLoCo as one more method."""
+    import json
+
+    from gradwire.experiments import cli
+    from gradwire.experiments.config import parse_method
+
+    monkeypatch.setenv("RUST_LOG", "warn")
+    out = tmp_path / "sweep"
+    assert cli.main(["--methods", "diloco:H=10,torchft-diloco:H=10", "--worlds", "2", "--steps", "20",
+                     "--eval-every", "20", "--no-progress", "--out", str(out)]) == 0
+    runs = {json.loads(p.read_text())["method"]["label"]: json.loads(p.read_text())
+            for p in out.glob("runs/*/summary.json")}
+    ours, ft = runs["diloco:H=10"], runs["torchft-diloco:H=10"]
+    assert ft["method"]["strategy"] == "torchft" and ft["method"]["outer"] == {"sync_every": 10}
+    assert ft["final"] == ours["final"]
+    assert ft["bytes_sent"] == ours["bytes_sent"] > 0 and ft["syncs"] == ours["syncs"] == 2
+    for bad, message in [("torchft-diloco:H=10+int8", "no compressor"), ("torchft-diloco:H=10,fragments=3", "multiple"),
+                         ("torchft-diloco:fragments=2", "how often"), ("torchft-diloco:H=10,decay=0.5", "takes H=")]:
+        with pytest.raises(ValueError, match=message):
+            parse_method(bad)
