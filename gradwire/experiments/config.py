@@ -63,6 +63,23 @@ OUTER_OPTIONS = {"H": "sync_every", "fragments": "fragments", "delay": "delay", 
                  "outer_lr": "outer_lr", "momentum": "momentum", "decay": "feedback_decay"}
 
 
+def _outer_options(method: str, allowed: tuple[str, ...], args: str, spec: str) -> dict[str, Any]:
+    """`H=..,fragments=..` of an outer-loop method as OuterConfig's settings, checked before
+    anything runs (steps as ints; ValueError naming what was wrong)."""
+    outer: dict[str, Any] = {}
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or key not in allowed:
+            raise ValueError(f"{method} takes {', '.join(f'{k}=' for k in allowed)}; got {item!r} in {spec!r}")
+        number = float(value)
+        as_int = number.is_integer() and key in ("H", "fragments", "delay")
+        outer[OUTER_OPTIONS[key]] = int(number) if as_int else number
+    if "sync_every" not in outer:
+        raise ValueError(f"{spec!r}: say how often replicas sync, e.g. {method}:H=100")
+    OuterConfig(**outer)
+    return outer
+
+
 TORCHFT = "torchft-diloco"
 TORCHFT_OPTIONS = ("H", "fragments", "delay", "mix")
 
@@ -74,16 +91,7 @@ def _torchft(spec: str) -> Method:
     if "+" in spec or "@" in spec:
         raise ValueError(f"{spec!r}: torchft's DiLoCo sends fp32 over its own allreduce; it takes no compressor "
                          "or strategy")
-    outer: dict[str, Any] = {}
-    for item in filter(None, (a.strip() for a in args.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or key.strip() not in TORCHFT_OPTIONS:
-            raise ValueError(f"{TORCHFT} takes {', '.join(f'{k}=' for k in TORCHFT_OPTIONS)}; got {item!r} in {spec!r}")
-        number = float(value)
-        outer[OUTER_OPTIONS[key.strip()]] = number if key.strip() == "mix" else int(number)
-    if "sync_every" not in outer:
-        raise ValueError(f"{spec!r}: say how often replicas sync, e.g. {TORCHFT}:H=100")
-    OuterConfig(**outer)  # (the same checks as gradwire's DiLoCo)
+    outer = _outer_options(TORCHFT, TORCHFT_OPTIONS, args, spec)
     if outer["sync_every"] % outer.get("fragments", 1):
         raise ValueError(f"{spec!r}: torchft needs H to be a multiple of the fragments")
     return Method(spec, "none", "torchft", {}, False, outer)
@@ -101,17 +109,7 @@ def _diloco(spec: str, error_feedback: str) -> Method:
     rest, at2, via2 = rest.partition("@")
     via = (via or via2).strip()
     _, _, args = head.partition(":")
-    outer: dict[str, Any] = {}
-    for item in filter(None, (a.strip() for a in args.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or key.strip() not in OUTER_OPTIONS:
-            raise ValueError(f"diloco takes {', '.join(f'{k}=' for k in OUTER_OPTIONS)}; got {item!r} in {spec!r}")
-        number = float(value)
-        as_int = number.is_integer() and key.strip() in ("H", "fragments", "delay")
-        outer[OUTER_OPTIONS[key.strip()]] = int(number) if as_int else number
-    if "sync_every" not in outer:
-        raise ValueError(f"{spec!r}: say how often replicas sync, e.g. diloco:H=100")
-    OuterConfig(**outer)  # (checks the numbers: a bad one fails before anything runs)
+    outer = _outer_options("diloco", tuple(OUTER_OPTIONS), args, spec)
     named = recipe(rest.strip())  # (sparseloco: a compressor with the outer settings it is meant with)
     c = make_compressor(named.compressor if named else rest.strip() or "none")
     strategy = via or ("allreduce" if c.summable else "allgather")

@@ -30,8 +30,8 @@ import torch
 from ..base import Ctx, expect
 from ..registry import register
 from ..wire import Kind, Packet, Section
-from .tiles import (FLT_MAX, _absmax_rows, _ceil, _Chunked, _chunk_param, _empty_f32, _for_rows, _gpu, _Residual,
-                    _rows, _split, _Tiles, _unpack)
+from .tiles import (FLT_MAX, _ceil, _Chunked, _chunk_param, _empty_f32, _gpu, _Residual, _rows, _scale_to, _split,
+                    _Tiles, _unpack)
 
 FP4_MAX = 6.0
 #: value of each 4-bit code (bit 3: sign)
@@ -79,12 +79,8 @@ class FP4(_Chunked):
             for s, e, x in tiles:
                 c0 = s // chunk
                 sc = scales[c0: c0 + _ceil(e - s, chunk)]
-                parts = _for_rows(x, chunk, sc, _absmax_rows)
-                inv = torch.div(FP4_MAX, sc).clamp_(max=FLT_MAX)  # 0 -> FLT_MAX, inf -> 0, NaN stays
-                sc.div_(FP4_MAX)
                 w = tiles.f32[: e - s]
-                for p, f, o in zip(parts, _split(inv, parts), _rows(w, chunk)):
-                    torch.mul(p, f, out=o)
+                parts = _scale_to(x, chunk, FP4_MAX, sc, w)
                 q = e2m1_codes(w, tiles.i32[: e - s])
                 tiles.pack(q, 4, data, s)
                 if fb is not None:

@@ -26,8 +26,8 @@ from .. import compiled
 from ..base import Ctx, Param, expect
 from ..registry import register
 from ..wire import Kind, Packet, Section
-from .tiles import (FLT_MAX, _absmax_rows, _ceil, _Chunked, _chunk_param, _empty_f32, _for_rows, _gpu, _Residual,
-                    _rows, _split, _Tiles)
+from .tiles import (FLT_MAX, _ceil, _Chunked, _chunk_param, _empty_f32, _gpu, _Residual, _rows, _scale_to, _split,
+                    _Tiles)
 
 _FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -69,12 +69,8 @@ class FP8(_Chunked):
             for s, e, x in tiles:
                 c0 = s // chunk
                 sc = scales[c0: c0 + _ceil(e - s, chunk)]
-                parts = _for_rows(x, chunk, sc, _absmax_rows)
-                inv = torch.div(fmax, sc).clamp_(max=FLT_MAX)  # 0 -> FLT_MAX, inf -> 0, NaN stays
-                sc.div_(fmax)
                 w = tiles.f32[: e - s]
-                for p, f, o in zip(parts, _split(inv, parts), _rows(w, chunk)):
-                    torch.mul(p, f, out=o)
+                parts = _scale_to(x, chunk, fmax, sc, w)
                 codes[s:e].copy_(w)  # one rounding to fp8 (faster than a mixed-dtype mul)
                 if fb is not None and fb.fast is not None:
                     self._residual_compiled(fb, s, e, codes[s:e], sc)

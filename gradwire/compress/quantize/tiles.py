@@ -293,6 +293,17 @@ def _absmax_rows(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.maximum(out, lo, out=out)
 
 
+def _scale_to(x: torch.Tensor, chunk: int, fmax: float, sc: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    """fp8's and fp4's per-chunk scaling: sc <- absmax / fmax, w <- x * min(fmax / absmax, FLT_MAX)
+    (so each chunk's absmax maps to fmax); returns x's `_rows` parts."""
+    parts = _for_rows(x, chunk, sc, _absmax_rows)
+    inv = torch.div(fmax, sc).clamp_(max=FLT_MAX)  # 0 -> FLT_MAX, inf -> 0, NaN stays
+    sc.div_(fmax)
+    for p, f, o in zip(parts, _split(inv, parts), _rows(w, chunk)):
+        torch.mul(p, f, out=o)
+    return parts
+
+
 def _for_rows(x: torch.Tensor, chunk: int, out: torch.Tensor, fn) -> list[torch.Tensor]:
     """fn(part, out_slice) for each `_rows` part of x; returns the parts."""
     parts = _rows(x, chunk)
