@@ -28,6 +28,7 @@ No CUDA: streams, pinned memory and quantization (Triton) stay off on CPU tensor
 from __future__ import annotations
 
 import copy
+import re
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Callable
@@ -36,6 +37,10 @@ import torch
 import torch.distributed as dist
 
 from ..outer import split_fragments
+
+
+_ADDRESS_BYTES = 256
+_ADDRESS = re.compile(r"http://[A-Za-z0-9.\-]+:[0-9]{1,5}")
 
 
 def _fragment_modules(model: torch.nn.Module, fragments: int) -> list[torch.nn.Module]:
@@ -101,9 +106,16 @@ class TorchftDiLoCo:
             if self._lighthouse is None:
                 raise ValueError("give `lighthouse` (host:port) or initialize torch.distributed to share it")
             return f"http://{host}:{self._port()}"
-        box = [f"http://{host}:{self._port()}" if self._lighthouse is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        return str(box[0])
+        # as bytes in a fixed-size tensor: nothing a peer sends is unpickled
+        box = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8)
+        if self._lighthouse is not None:
+            raw = f"http://{host}:{self._port()}".encode("ascii")
+            box[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        dist.broadcast(box, src=0)
+        address = bytes(box.tolist()).rstrip(b"\0").decode("ascii", errors="replace")
+        if not _ADDRESS.fullmatch(address):
+            raise ValueError(f"rank 0 sent {address!r} as torchft's lighthouse address, not http://host:port")
+        return address
 
     def _port(self) -> int:
         # address() names the machine's hostname; the port is what the others need
