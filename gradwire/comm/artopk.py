@@ -65,7 +65,7 @@ class ARTopK(Strategy):
 
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True) -> None:
         super().__init__(backend, compressor, error_feedback)
-        if self.compressor.name != "topk" or getattr(self.compressor, "chunk", 0):
+        if not self.compressor.selects_global_topk:
             raise ValueError(f"artopk needs a plain topk compressor (it selects from the sum over ranks, "
                              f"not per chunk), got {self.compressor}")
 

@@ -150,7 +150,7 @@ class OkTopK(Strategy):
     def __init__(self, backend: Backend, compressor: Compressor | str, error_feedback: bool = True,
                  boundary_every: int = 256, threshold_every: int = 32, min_numel: int = 0) -> None:
         super().__init__(backend, compressor, error_feedback, min_numel)
-        if self.compressor.name != "topk" or getattr(self.compressor, "chunk", 0):
+        if not self.compressor.selects_global_topk:
             raise ValueError(f"oktopk needs a plain topk compressor (it selects from the sum over ranks, "
                              f"not per chunk), got {self.compressor}")
         if int(boundary_every) < 1 or int(threshold_every) < 1:

@@ -100,6 +100,9 @@ class Compressor:
     # residual to matter (sparsifiers, sign/onebit, fp8/int8), not a near-lossless cast or
     # an unbiased estimator (randomk, qsgd, terngrad), whose residuals only add variance
     feedback_helps: ClassVar[bool] = True
+    # the k largest magnitudes of the whole tensor, as `select.topk` picks them: what the strategies
+    # that select from the sum over ranks (oktopk, artopk) reproduce (chunked top-k is not)
+    selects_global_topk: bool = False
     flag_bits: ClassVar[int] = 0  # header flag bits this codec defines; any other set bit is rejected
 
     def __init__(self, **kwargs: Any) -> None:

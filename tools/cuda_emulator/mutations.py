@@ -69,6 +69,11 @@ MUTATIONS = [
      "E::store(__fadd_rn(E::load(E::store(__fmul_rn(E::load(u_old[i]), m))), gi))",
      "E::store(fmaf(E::load(u_old[i]), m, gi))", "ef:dgc and float32"),
     ("ef-flag-not-atomic", "feedback.cu", "atomicOr(bad, 1u);", "*bad |= 1u;", "tsan:feedback"),
+    # fp4: two codes per byte, element 2j in the low nibble; the fused step decodes with the scale
+    ("fp4-nibbles-swapped", "elementwise.cu", "w |= f32_to_e2m1(Elem<DT>::load(x[i]) * f0[c]) << (4 * k);",
+     "w |= f32_to_e2m1(Elem<DT>::load(x[i]) * f0[c]) << (4 * (k ^ 1));", "fp4"),
+    ("ef-fp4-decoded-with-multiplier", "feedback.cu", "__fmul_rn(e2m1_to_f32(code), scales[c])",
+     "__fmul_rn(e2m1_to_f32(code), f0[c])", "ef:matches_cpu and fp4"),
 ]
 
 

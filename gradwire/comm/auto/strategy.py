@@ -152,7 +152,7 @@ class Auto(Strategy):
             self.subs["powersgd"] = PowerSGD(backend, error_feedback, **lowrank)  # (its compute: the trial)
         else:
             self.subs["allgather"] = Allgather(backend, c, error_feedback, min_numel)
-        if c.name == "topk" and not getattr(c, "chunk", 0):  # (chunked top-k is not oktopk's selection)
+        if c.selects_global_topk:  # (plain top-k: what oktopk selects from the sum)
             # (not artopk: one rank's positions for everyone cost accuracy; docs/benchmarks.md)
             self.subs["oktopk"] = OkTopK(backend, c, error_feedback)
         self.nodes: Hierarchical | None = None  # on several nodes of several ranks: their links

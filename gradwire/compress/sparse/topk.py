@@ -40,6 +40,10 @@ class TopK(_FixedK):
               Param("chunk", int, 0, lambda v: v >= 0, "0 (one selection over the tensor) or the elements per chunk, "
                     "each keeping its own largest"))
 
+    @property
+    def selects_global_topk(self) -> bool:  # type: ignore[override]
+        return not self.chunk
+
     def value_count(self, numel: int) -> int | None:
         if not self.chunk:
             return super().value_count(numel)
