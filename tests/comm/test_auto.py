@@ -125,7 +125,7 @@ def _trial(rank: int, world: int) -> dict:
 
 def test_auto_times_each_candidate_then_all_ranks_take_the_same_choice():
     """The model shortlists (dense always), the candidates take turns (an untimed round, then
-    one timed step each), the ranks average their times and choose alike; every step's result
+    one timed step each), the ranks gather their times and choose alike; every step's result
     is the same on both ranks."""
     a, b = run_ranks(_trial, 2)
     n = 2 * len(a["order"])
@@ -283,3 +283,38 @@ def test_auto_times_a_candidate_far_slower_than_the_fastest_only_once():
     assert a["choices"][:n] == [None] * n and a["choices"][n] not in (None, "allgather")
     assert a["turns"][a["choices"][n]] == 3  # (the fastest is never dropped)
     assert a["measured"]["allgather"] > 0.3 and (a["turns"], a["choices"]) == (b["turns"], b["choices"])
+
+
+def _warm_drop(rank: int, world: int) -> dict:
+    from gradwire.comm.auto import FasterUncompressed
+    from gradwire.comm.dense import Allreduce, DenseAllreduce
+
+    backend = TorchDistBackend()
+    slow = Allreduce(backend, "bf16", error_feedback=False)
+    real, stalled_at = slow.exchange, []
+
+    def stalled(x, key, ctx, *args, **kwargs):  # a candidate whose steps take 0.3 s more than the others'
+        stalled_at.append(ctx.step)
+        time.sleep(0.3)
+        return real(x, key, ctx, *args, **kwargs)
+
+    slow.exchange = stalled  # type: ignore[method-assign]
+    warm = FasterUncompressed(DenseAllreduce(backend), Allreduce(backend, "bf16", error_feedback=False),
+                              rounds=3, slow=slow)
+    for step in range(3 + 3 + 2 * 2 + 1):  # untimed round, a timed one, 2 more of the two left, the choice
+        x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(10 * step + rank))
+        warm.exchange(x, 0, Ctx(rank=rank, step=step), average=True).wait()
+    return {"turns": dict(warm.turns.turns), "choices": warm.choices, "stalled_at": stalled_at,
+            "measured": warm.measured}
+
+
+def test_uncompressed_first_steps_drop_a_candidate_far_slower_after_one_timed_turn():
+    """The uncompressed first steps time every candidate once; one more than TRIAL_DROP times the
+    fastest (on a WAN: bf16 between nodes only, where it loses) takes no more turns; the ranks
+    agree on the times, the turns and the choice."""
+    a, b = run_ranks(_warm_drop, 2)
+    assert a["turns"] == {"dense": 3, "bf16": 3, "slow": 1}
+    assert a["stalled_at"] == [2, 5]  # its untimed and its one timed turn
+    assert a["measured"]["slow"] > 0.3 > max(a["measured"]["dense"], a["measured"]["bf16"])
+    assert set(a["choices"].values()) <= {"dense", "bf16"}
+    assert (a["turns"], a["choices"], a["measured"]) == (b["turns"], b["choices"], b["measured"])

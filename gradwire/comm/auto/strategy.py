@@ -69,7 +69,8 @@ class Auto(Strategy):
     model's parameters) or else from the first bucket, so it is the same on every rank and does
     not depend on how tensors are grouped into buckets. The model only shortlists: with
     `trials=N` (default 2) each shortlisted candidate, dense and bf16 always among them, runs
-    one untimed step and N timed ones, with its encode and decode (one only if its first was
+    one untimed step (none on CPU after the uncompressed first steps: the links are connected) and N
+    timed ones, with its encode and decode (one only if its first was
     more than `TRIAL_DROP` times the fastest; none for the uncompressed candidates the hook's
     uncompressed first steps timed already, on the same buckets), and the ranks choose by the
     mean of their steps' spans, within `TRIAL_MARGIN` (`choice`, and `choices` per bucket, all
@@ -262,7 +263,7 @@ class Auto(Strategy):
 
     @property
     def measured(self) -> dict[str, float]:
-        """Candidate -> mean seconds per timed step (its span), averaged over ranks: the trial's,
+        """Candidate -> mean seconds per timed step (its span), the shortest over ranks: the trial's,
         and for the uncompressed candidates it did not time, the uncompressed first steps'."""
         return {**self._known(), **self.trial.measured}
 
@@ -284,9 +285,10 @@ class Auto(Strategy):
                         sizes: list[int]) -> Work[torch.Tensor] | None:
         """During the trial, exchange with this step's candidate (in turns, timed). The trial runs
         in stages, each ended by the ranks agreeing on its times at the first step after it:
-        "first" (an untimed round and one timed turn each), "rest" (trials - 1 more turns for the
-        candidates within `policy.TRIAL_DROP` of the fastest: a step several times the best's
-        cannot win, and on a slow link each of its turns costs seconds), "settle" (the near-ties).
+        "first" (an untimed round, unless the uncompressed first steps ran, and one timed turn
+        each), "rest" (trials - 1 more turns for the candidates within `policy.TRIAL_DROP` of the
+        fastest: a step several times the best's cannot win, and on a slow link each of its turns
+        costs seconds), "settle" (the near-ties).
         None once chosen."""
         trial = self.trial
         if trial.phase is None:
@@ -294,7 +296,10 @@ class Auto(Strategy):
             order = [n for n in self.candidates(sizes, x.dtype, shapes) if n not in known]
             if order:
                 self._stage = "first"
-                trial.start(ctx.step, order, untimed=1, timed=min(self.trials, 1))
+                # (after the uncompressed first steps every link is connected: on CPU nothing is
+                # left for an untimed round to pay for; CUDA kernels compile at their first call)
+                untimed = 0 if known and not x.is_cuda else 1
+                trial.start(ctx.step, order, untimed=untimed, timed=min(self.trials, 1))
         if trial.phase is not None and trial.running(ctx.step):
             return trial.exchange(x, key, ctx, average, self.into_input, shapes, keys)
         if trial.phase is not None:

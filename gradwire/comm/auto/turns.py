@@ -1,17 +1,19 @@
 """Timed turns: how `auto` and its uncompressed first steps compare exchanges on the real buckets.
 
 Candidates take turns, one step each, so drift over the measurement (a shared host, a link's
-bursts) hits all of them alike, and a first untimed round pays for connections, allocations and
-compiling. A timed turn starts with a 1-element allreduce at its step's first bucket, so a rank
-still busy with its own work (rank 0's evaluation) is not counted as the exchange's cost. What
-a turn costs is its step's span: from its first bucket's exchange to the last one's result. The
-exchanges run as they will after the trial (asynchronously, the buckets' collectives in flight
-together and beside the backward pass), so a candidate that blocks the step (`hierarchical`
-waits inside a node) is charged for it and one whose buckets overlap is not charged twice: on a
-link with long round trips that is the difference between 2 x 300 ms and 325 ms. Each bucket's
-own time (issue to result) is kept too, for the logs. After a phase the ranks average their
-times with one allreduce, reached at the same bucket on every rank, so every rank holds the
-same numbers and makes the same choice.
+bursts) hits all of them alike, and a first untimed round (where one is asked for) pays for
+connections, allocations and compiling. What a turn costs is its step's span: from its first
+bucket's exchange to the last one's result. The exchanges run as they will after the trial
+(asynchronously, the buckets' collectives in flight together and beside the backward pass), so a
+candidate that blocks the step (`hierarchical` waits inside a node) is charged for it and one
+whose buckets overlap is not charged twice: on a link with long round trips that is the
+difference between 2 x 300 ms and 325 ms. Each bucket's own time (issue to result) is kept
+too, for the logs. The ranks do not line up before a turn (that would cost a round trip per
+turn, a tenth of a second across a WAN): a rank that arrives early, while another is still busy
+with its own work (rank 0's evaluation), waits inside the collective, so of each turn the ranks
+keep the shortest span, the one of the rank that arrived last, which waited for nobody. After a
+phase the ranks exchange their times with one allgather, reached at the same bucket on every
+rank, so every rank holds the same numbers and makes the same choice.
 
 Tests: tests/comm/test_auto.py (the trial and its near-ties), tests/hooks/test_ddp_hook.py (the
 uncompressed first steps).
@@ -79,7 +81,6 @@ class TimedTurns:
             return sub.exchange(x, key, ctx, average, shapes, keys)
         step, bucket = ctx.step, str(key)
         if step not in self._spans:
-            self.backend.allreduce(torch.zeros(1)).wait()  # start together
             self._spans[step] = (name, time.perf_counter(), 0.0)
         self._spent.setdefault(bucket, {})  # (buckets in the order issued, alike on all ranks)
         began = time.perf_counter()
@@ -96,24 +97,26 @@ class TimedTurns:
         return sub.exchange(x, key, ctx, average, shapes, keys).then(done)
 
     def agree(self) -> None:
-        """Fold the phase's times, averaged over ranks with one allreduce, into the means. Every
-        exchange of the phase has completed (DDP waits for a step's buckets before the next)."""
+        """Fold the phase's times into the means: of each bucket's time and each step's span, the
+        shortest over ranks (one allgather). Every exchange of the phase has completed (DDP waits
+        for a step's buckets before the next)."""
         phase = self.phase
         assert phase is not None
-        buckets = list(self._spent)
-        spans = {n: 0.0 for n in phase.order}
-        for who, start, end in self._spans.values():
-            spans[who] += max(end - start, 0.0)
-        rows = [[self._spent[b].get(n, 0.0) for n in phase.order] for b in buckets] + [[spans[n] for n in phase.order]]
-        spent = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(phase.order))
-        self.backend.allreduce(spent).wait()
-        spent /= self.backend.world_size
-        for b, row in zip(buckets, spent[:-1].tolist()):
+        buckets, steps = list(self._spent), sorted(self._spans)
+        rows = [[self._spent[b].get(n, 0.0) for n in phase.order] for b in buckets]
+        mine = torch.tensor([t for row in rows for t in row]
+                            + [max(self._spans[s][2] - self._spans[s][1], 0.0) for s in steps], dtype=torch.float64)
+        least = torch.stack(self.backend.allgather(mine).wait()).amin(dim=0).tolist()
+        per_bucket, spans = least[:len(buckets) * len(phase.order)], least[len(buckets) * len(phase.order):]
+        for i, b in enumerate(buckets):
             agreed = self._agreed.setdefault(b, {})
-            for n, t in zip(phase.order, row):
-                agreed[n] = agreed.get(n, 0.0) + t
-        for n, t in zip(phase.order, spent[-1].tolist()):
-            self._agreed_spans[n] = self._agreed_spans.get(n, 0.0) + t
+            for j, n in enumerate(phase.order):
+                agreed[n] = agreed.get(n, 0.0) + per_bucket[i * len(phase.order) + j]
+        for s, t in zip(steps, spans):
+            who = self._spans[s][0]
+            self._agreed_spans[who] = self._agreed_spans.get(who, 0.0) + t
+        for n in phase.order:
+            self._agreed_spans.setdefault(n, 0.0)
             self.turns[n] = self.turns.get(n, 0) + phase.timed
         self._spent, self._spans = {}, {}
         self.measured_per_bucket = {b: {n: t / self.turns[n] for n, t in agreed.items()}

@@ -28,9 +28,11 @@ log = logging.getLogger("gradwire")
 
 class FasterUncompressed(Strategy):
     """The candidates (dense, bf16, ...) take turns (turns.py), one step each: a round untimed,
-    then `rounds` timed rounds, each timed by its step's span. Every bucket then takes what
-    `policy.prefer` takes within `margin` (the same on all ranks): the faster of dense and bf16
-    unless bf16 between nodes only is clearly faster still."""
+    then `rounds` timed rounds, each timed by its step's span; one whose first timed step took
+    more than `policy.TRIAL_DROP` times the fastest's takes no more turns (on a link with long
+    round trips, bf16 between nodes only can cost a second per turn where it loses). Every bucket
+    then takes what `policy.prefer` takes within `margin` (the same on all ranks): the faster of
+    dense and bf16 unless bf16 between nodes only is clearly faster still."""
 
     name = "uncompressed"
 
@@ -50,23 +52,31 @@ class FasterUncompressed(Strategy):
 
     @property
     def measured(self) -> dict[str, float]:
-        """Candidate -> mean seconds per timed step (its span), averaged over ranks."""
+        """Candidate -> mean seconds per timed step (its span), the shortest over ranks (turns.py)."""
         return self.turns.measured
 
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         if self.choices is None:
-            if self.turns.phase is None:
-                self.turns.start(ctx.step, list(self.subs), untimed=1, timed=self.rounds)
-            if self.turns.running(ctx.step):
-                return self.turns.exchange(x, key, ctx, average, self.into_input, shapes, keys)
+            turns = self.turns
+            if turns.phase is None:
+                turns.start(ctx.step, list(self.subs), untimed=1, timed=1)
+            if not turns.running(ctx.step) and not turns.turns:  # the first timed round is over
+                turns.agree()
+                fastest = min(turns.measured.values())
+                alive = [n for n in self.subs if turns.measured[n] <= policy.TRIAL_DROP * fastest]
+                if self.rounds > 1:
+                    turns.start(ctx.step, alive, untimed=0, timed=self.rounds - 1)
+            if turns.running(ctx.step):
+                return turns.exchange(x, key, ctx, average, self.into_input, shapes, keys)
             self._choose()
         sub = self.subs[self.choices.get(str(key), "dense")]  # type: ignore[union-attr]
         sub.into_input = self.into_input
         return sub.exchange(x, key, ctx, average, shapes, keys)
 
     def _choose(self) -> None:
-        self.turns.agree()
+        if self.rounds > 1:
+            self.turns.agree()
         steps = self.turns.measured  # a step's span: its buckets' overlap counted
         best = policy.prefer(steps, margin=self.margin)
         self.choices = {b: best for b in self.measured_per_bucket}
