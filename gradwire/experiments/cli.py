@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a small sweep that finishes in under 3 minutes on 2 cores (mnist1d, 2 ranks, 300 steps)")
     p.add_argument("--task", default="mnist1d", choices=sorted(TASKS))
-    p.add_argument("--arch", default=None, help="model architecture (mnist1d: cnn | mlp; charlm: transformer; "
+    p.add_argument("--arch", default=None, help="model architecture (mnist1d: cnn | mlp; charlm: transformer | gpt, "
+                                                "the larger LM; "
                                                 "cifar10: resnet20); default: the task's")
     p.add_argument("--width", type=int, default=0, help="model width (0: the architecture's default)")
     p.add_argument("--methods", default="none,topk,randomk,qsgd:bits=4,powersgd:rank=2",

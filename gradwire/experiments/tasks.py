@@ -157,10 +157,16 @@ class CharTransformer(nn.Module):
         return self.out(self.norm(h))
 
 
+#: charlm's architectures: (default width, layers, heads). `gpt` is the larger LM of the outer-loop
+#: runs (about 4.8M parameters at width 256), the same blocks six deep.
+CHARLM_ARCHS = {"transformer": (128, 2, 4), "gpt": (256, 6, 8)}
+
+
 def charlm_model(arch: str, width: int) -> nn.Module:
-    if arch != "transformer":
-        raise ValueError(f"charlm: unknown arch {arch!r}; valid: transformer")
-    return CharTransformer(width or 128)
+    if arch not in CHARLM_ARCHS:
+        raise ValueError(f"charlm: unknown arch {arch!r}; valid: {', '.join(CHARLM_ARCHS)}")
+    default, layers, heads = CHARLM_ARCHS[arch]
+    return CharTransformer(width or default, layers, heads)
 
 
 # ---- CIFAR-10 ------------------------------------------------------------------------------

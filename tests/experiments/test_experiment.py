@@ -174,6 +174,23 @@ def test_charlm_trains_on_two_ranks_and_reports_perplexity(tmp_path: Path) -> No
     assert 0.0 <= summary["final"]["accuracy"] <= 100.0  # percent.0
 
 
+def test_charlm_has_a_larger_lm_of_several_million_parameters() -> None:
+    """`--arch gpt`: the outer-loop runs' larger LM, the same causal blocks six deep at width 256."""
+    from gradwire.experiments.tasks import charlm_model
+
+    small, gpt = charlm_model("transformer", 0), charlm_model("gpt", 0)
+    n = sum(p.numel() for p in gpt.parameters())
+    assert 4_000_000 < n < 6_000_000 and n > 10 * sum(p.numel() for p in small.parameters())
+    x = torch.randint(0, 256, (2, 64))
+    logits = gpt(x)
+    assert logits.shape == (2, 64, 256)
+    x2 = x.clone()
+    x2[:, 40:] = (x2[:, 40:] + 1) % 256  # a causal model: later bytes do not change earlier outputs
+    assert torch.allclose(gpt(x2)[:, :40], logits[:, :40], atol=1e-5)
+    with pytest.raises(ValueError, match="valid: transformer, gpt"):
+        charlm_model("vgg", 0)
+
+
 def test_charlm_gets_its_tuned_lm_settings_unless_told_otherwise(tmp_path: Path) -> None:
     def options(argv: str) -> dict[str, dict]:
         runs = cli.sweep_from(cli.build_parser().parse_args(argv.split())).runs()

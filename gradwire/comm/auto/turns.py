@@ -106,7 +106,10 @@ class TimedTurns:
         rows = [[self._spent[b].get(n, 0.0) for n in phase.order] for b in buckets]
         mine = torch.tensor([t for row in rows for t in row]
                             + [max(self._spans[s][2] - self._spans[s][1], 0.0) for s in steps], dtype=torch.float64)
-        least = torch.stack(self.backend.allgather(mine).wait()).amin(dim=0).tolist()
+        gathered = torch.stack(self.backend.allgather(mine).wait())
+        # (a time no clock gives, NaN or negative, from a broken peer: never the fastest)
+        gathered = torch.nan_to_num(gathered, nan=float("inf")).masked_fill(gathered < 0, float("inf"))
+        least = gathered.amin(dim=0).tolist()
         per_bucket, spans = least[:len(buckets) * len(phase.order)], least[len(buckets) * len(phase.order):]
         for i, b in enumerate(buckets):
             agreed = self._agreed.setdefault(b, {})
