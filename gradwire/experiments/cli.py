@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-seeds", action="append", default=[], metavar="LINK=SEEDS",
                    help="other seeds for one link, e.g. 100mbit=0,1,2 (repeatable); other links use --seeds; "
                         "a link not in --links is ignored, so a sweep can run in parts")
+    p.add_argument("--method-seeds", action="append", default=[], metavar="METHOD=SEEDS",
+                   help="other seeds for one method as written in --methods, e.g. none=0,1,2 (repeatable): "
+                        "more seeds for the methods that matter most, on every link")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--strategy", default="default",
                    help="'default' (allreduce for summable payloads, allgather otherwise) or a gradwire strategy")
@@ -162,6 +165,16 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
             raise ValueError(f"--link-seeds takes LINK=SEEDS with LINK a rate such as 100mbit (or 100mbit-rtt40ms), "
                              f"got {item!r}")
         link_seeds[link] = _csv(int, seeds)  # a link not in --links is not swept (a partial run)
+    methods = split_methods(args.methods)
+    method_seeds: dict[str, list[int]] = {}
+    for item in args.method_seeds:
+        method, eq, seeds = item.rpartition("=")  # the method's own options have '=' too: seeds follow the last
+        method = method.strip()
+        if not eq or method not in methods:
+            raise ValueError(f"--method-seeds takes METHOD=SEEDS with METHOD one of --methods {methods}, got {item!r}")
+        method_seeds[method] = _csv(int, seeds)
+        if not method_seeds[method]:
+            raise ValueError(f"--method-seeds {item!r} names no seeds")
     worlds = [args.nodes * args.ranks_per_node] if args.nodes else _csv(int, args.worlds)
     if any(w < 1 for w in worlds):
         raise ValueError(f"world sizes must be >= 1, got {worlds}")
@@ -179,12 +192,13 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
         raise ValueError("--start-iter and --warmup must be >= -1 (-1: the task's default)")
     if args.engine == "hsdp" and args.ranks_per_node < 2:
         raise ValueError("--engine hsdp shards inside nodes and replicates across them: give --ranks-per-node >= 2")
-    return Sweep(args.task, arch, args.width, split_methods(args.methods),
+    return Sweep(args.task, arch, args.width, methods,
                  _csv(float, args.ratios), worlds, links, args.steps, args.batch or task.default_batch,
                  args.lr or task.default_lr, _csv(int, args.seeds), args.eval_every, args.strategy,
                  args.error_feedback, str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None,
                  args.min_numel, args.engine, args.ranks_per_node, link_seeds, start_iter=args.start_iter,
-                 warmup=args.warmup, precondition=args.precondition, task_lr=not args.lr)
+                 warmup=args.warmup, precondition=args.precondition, task_lr=not args.lr,
+                 method_seeds=method_seeds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,7 @@ class Sweep:
     engine: str = "ddp"
     ranks_per_node: int = 1
     link_seeds: dict[str, list[int]] = field(default_factory=dict)  # seeds of one link instead of `seeds`
+    method_seeds: dict[str, list[int]] = field(default_factory=dict)  # seeds of one method (as in `methods`)
     start_iter: int = -1  # -1: the task's default for PowerSGD (Task.tuned), else the hook's
     warmup: int = -1  # -1: the task's default for sparsifiers
     precondition: str = "auto"  # "auto" (the task's default for sparsifiers), "none" or a spec such as "adam"
@@ -46,9 +47,14 @@ class Sweep:
     def runs(self) -> list[RunConfig]:
         out = []
         for link in self.links:
+            default = self.link_seeds.get(link, self.seeds)
+            seeds_of = {m: self.method_seeds.get(item, default)
+                        for item in self.methods for m in expand_methods([item], self.ratios)}
             for world in self.worlds:
-                for seed in self.link_seeds.get(link, self.seeds):
+                for seed in dict.fromkeys(s for seeds in [default, *seeds_of.values()] for s in seeds):
                     for method in expand_methods(self.methods, self.ratios):
+                        if seed not in seeds_of[method]:
+                            continue
                         start, warmup, pre = self._tuned(method)
                         cfg = RunConfig(self.task, self.arch, self.width, method, world, self.steps, self.batch,
                                         self._lr(pre, world), seed, self.eval_every, link, self.strategy, self.error_feedback,

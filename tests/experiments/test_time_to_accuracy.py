@@ -61,6 +61,23 @@ def test_link_seeds_give_one_link_more_seeds() -> None:
         cli.sweep_from(bad)
 
 
+def test_method_seeds_give_the_methods_that_matter_more_seeds() -> None:
+    """Seeds 0-2 for dense, bf16 and auto, one seed for the rest, in one sweep and one report; a
+    method's own options (`rank=4`) do not confuse the seeds after the last '='."""
+    args = cli.build_parser().parse_args([
+        "--methods", "none,topk:ratio=0.01,chunk=64@oktopk,powersgd:rank=4@auto", "--links", "20mbit,100mbit",
+        "--seeds", "0", "--method-seeds", "none=0,1,2", "--method-seeds", "powersgd:rank=4@auto=0,2",
+        "--nodes", "2", "--ranks-per-node", "2"])
+    runs = [(c.link, c.seed, c.method) for c in cli.sweep_from(args).runs()]
+    per_link = [(0, "none"), (0, "topk:ratio=0.01,chunk=64@oktopk"), (0, "powersgd:rank=4@auto"),
+                (1, "none"), (2, "none"), (2, "powersgd:rank=4@auto")]
+    assert runs == [(link, seed, m) for link in ("20mbit", "100mbit") for seed, m in per_link]
+    for wrong in ("bf16=0,1", "none", "none=", "none=a"):  # not in --methods, no '=', no seeds, not a seed
+        bad = cli.build_parser().parse_args(["--methods", "none", "--method-seeds", wrong])
+        with pytest.raises(ValueError, match="--method-seeds|comma-separated"):
+            cli.sweep_from(bad)
+
+
 def test_plain_progress_shows_the_run_and_the_sweep_moving(capsys: pytest.CaptureFixture[str]) -> None:
     bar = _Progress(3, enabled=True, every=0.0)
     bar.start("dense w=4 link=20mbit", 100)
