@@ -249,6 +249,21 @@ class CompressingExchange:
         if self.feedback is not None:
             self.feedback.update(key, corrected, sent)
 
+    def take_leftover(self, x: torch.Tensor, key: int | str, shapes: list[torch.Size] | None = None,
+                      keys: list[str] | None = None) -> torch.Tensor | None:
+        """What error feedback still holds for this bucket, laid out as x and removed from it (None:
+        nothing). When another strategy takes the bucket over (`auto` after its trial), a rank
+        adds it to its next gradient, so what this one held back is sent, not lost."""
+        if self.feedback is None:
+            return None
+        out, found = torch.zeros_like(x), False
+        for seg in segments_of(x, key, shapes, keys):
+            e = self.feedback.residuals.pop(seg.key, None)
+            if e is not None and e.numel() == seg.numel:
+                seg.of(out).copy_(e.reshape(-1))
+                found = True
+        return out if found else None
+
     def state_dict(self) -> dict[str, Any]:
         return {"feedback": self.feedback.state_dict() if self.feedback is not None else None}
 

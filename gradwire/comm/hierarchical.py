@@ -154,6 +154,27 @@ class Hierarchical(Strategy):
         super().set_compressor(c)
         self.inner.set_compressor(c)
 
+    def take_leftover(self, x: torch.Tensor, key: int | str, shapes: list[torch.Size] | None = None,
+                      keys: list[str] | None = None) -> torch.Tensor | None:
+        """The inner strategy's stored error for this rank's chunk, at the chunk's place in the
+        bucket (zeros elsewhere). It is kept in units of the node's sum, which every rank's
+        gradient enters once: added to this rank's next gradient it is counted exactly once."""
+        a, b, part_shapes, part_keys = node_chunks(x.numel(), self.intra.world_size, shapes, keys, key)[self.local]
+        if a == b:
+            return None
+        e = self.inner.take_leftover(x[a:b], self._chunk_key(x, key, shapes, keys), part_shapes, part_keys)
+        if e is None:
+            return None
+        out = torch.zeros_like(x)
+        out[a:b].copy_(e)
+        return out
+
+    def _chunk_key(self, x: torch.Tensor, key: int | str, shapes: list[torch.Size] | None,
+                   keys: list[str] | None) -> str:
+        """The key this rank's chunk is exchanged under between nodes: the bucket's segments and the chunk."""
+        names = "|".join(s.key for s in segments_of(x, key, shapes, keys))
+        return f"{zlib.crc32(names.encode()):08x}/{self.local}"
+
     def exchange(self, x: torch.Tensor, key: int | str, ctx: Ctx, average: bool = False,
                  shapes: list[torch.Size] | None = None, keys: list[str] | None = None) -> Work[torch.Tensor]:
         t0 = time.perf_counter()
@@ -175,8 +196,7 @@ class Hierarchical(Strategy):
         part = part.to(x.dtype)
         t1 = time.perf_counter()
         # 2: between nodes, under a key naming the bucket's segments and the chunk
-        names = "|".join(s.key for s in segments_of(x, key, shapes, keys))
-        chunk_key = f"{zlib.crc32(names.encode()):08x}/{local}"
+        chunk_key = self._chunk_key(x, key, shapes, keys)
         _, _, part_shapes, part_keys = layout[local]
         summed = part
         if part.numel():  # (more local ranks than rows: this chunk is empty on every node)

@@ -201,6 +201,21 @@ class PowerSGD(Strategy):
             self._layouts[name] = cached
         return cached[1]
 
+    def take_leftover(self, x: torch.Tensor, key: int | str, shapes: list[torch.Size] | None = None,
+                      keys: list[str] | None = None) -> torch.Tensor | None:
+        """Each segment's stored error, laid out as the bucket and removed (see Strategy)."""
+        if self.feedback is None:
+            return None
+        lay = self.layout(key, x.numel(), shapes, keys)
+        out, offset, found = torch.zeros_like(x), 0, False
+        for k, size in zip(lay.keys, lay.sizes):
+            e = self.feedback.residuals.pop(k, None)
+            if e is not None and e.numel() == size:
+                out[offset:offset + size].copy_(e.reshape(-1))
+                found = True
+            offset += size
+        return out if found else None
+
     def _corrected(self, x: torch.Tensor, key: int | str, lay: _Layout) -> torch.Tensor:
         """x plus each segment's stored error (another tensor; x is not modified)."""
         if self.feedback is None:

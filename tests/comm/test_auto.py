@@ -326,3 +326,43 @@ def test_uncompressed_first_steps_drop_a_candidate_far_slower_after_one_timed_tu
     assert a["measured"]["slow"] > 0.4 > max(a["measured"]["dense"], a["measured"]["bf16"])
     assert set(a["choices"].values()) <= {"dense", "bf16"}
     assert (a["turns"], a["choices"], a["measured"]) == (b["turns"], b["choices"], b["measured"])
+
+
+def _hand_over(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    backend = TorchDistBackend()
+    shapes, keys = [torch.Size([64, 32]), torch.Size([32])], ["w", "b"]
+    numel = sum(s.numel() for s in shapes)
+    auto = Auto(backend, "none", inner="powersgd", rank=1, ranks_per_node=2, trials=1, settle=0)
+    gen = torch.Generator().manual_seed(rank)
+    delivered, true, handed = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
+    for step in range(2 * 5 + 3):  # an untimed round and a timed one of the 5 candidates, the choice, 2 more
+        x = torch.randn(numel, generator=gen)
+        mean = x.clone()
+        dist.all_reduce(mean)
+        true += mean / world
+        given = x.clone()
+        delivered += auto.exchange(given, 0, Ctx(rank=rank, step=step), average=True, shapes=shapes,
+                                   keys=keys).wait()
+        handed += given - x  # what the hand-over added to this rank's gradient (nothing else writes it)
+    left = auto.subs[auto.choice].take_leftover(torch.zeros(numel), 0, shapes, keys)
+    left = torch.zeros(numel) if left is None else left
+    dist.all_reduce(left)
+    dist.barrier()  # the sub-groups outlive every pending callback
+    return {"delivered": delivered, "true": true, "held": left / world, "handed": handed, "choice": auto.choice,
+            "turns": dict(auto.trial.turns)}
+
+
+def test_auto_hands_the_trial_s_error_feedback_to_its_choice():
+    """PowerSGD's candidates (flat and between nodes) hold back most of each gradient in error
+    feedback during their trial turns; after the choice each rank adds what they still hold to its
+    next gradient, so the means delivered over the run plus what the chosen exchange still holds
+    equal the true means (bf16 turns round a little), whatever was chosen."""
+    results = run_ranks(_hand_over, 4, timeout=300)
+    for r in results:
+        assert r["turns"]["powersgd"] >= 1 and r["turns"]["hierarchical"] >= 1 and r["choice"] is not None
+        assert r["choice"] == results[0]["choice"]
+        torch.testing.assert_close(r["delivered"] + r["held"], r["true"], rtol=0, atol=0.05)
+    # rank 1 of a 64 x 32 matrix leaves most of it behind: without the hand-over the gap is large
+    assert max(r["handed"].abs().max().item() for r in results) > 0.5

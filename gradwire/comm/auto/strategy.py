@@ -82,7 +82,9 @@ class Auto(Strategy):
     dense, and the extra turns cost little, every candidate in them being about as fast as the
     best. Why measure: the model misses what compression costs besides the wire (per-tensor
     overheads, ranks sharing cores), which can reverse its ranking. Error feedback of the
-    candidates not chosen is dropped with them (N + 1 steps of residual). `trials=0`: the model alone.
+    candidates not chosen is not dropped: each rank adds what they still hold for a bucket to its
+    gradient at the bucket's first exchange after the choice (`take_leftover`), so the chosen
+    exchange sends it. `trials=0`: the model alone.
 
     `inner="powersgd"` (with PowerSGD's options: rank=, seed=, ...) makes the compressed
     candidates low-rank: PowerSGD's own allreduce and, on several nodes, `hierarchical` with
@@ -134,6 +136,7 @@ class Auto(Strategy):
             raise ValueError(f"settle must be >= 0, got {settle}")
         self.settle = 3 * self.trials if settle is None else int(settle)  # more turns for near-ties
         self.choices: dict[str, str] = {}  # bucket key -> its measured choice (else `choice`)
+        self._handed_over: set[str] = set()  # buckets the other candidates' error feedback went into
         self._timings: dict[str, float] = {}  # every trial phase's measurements, for the warning
         self._modelled: dict[str, float] = {}  # the cost model's times that shortlisted the trial
         self._stage = "first"  # of the trial: first, rest, settle (`_timed_exchange`)
@@ -370,19 +373,36 @@ class Auto(Strategy):
             if trial is not None:
                 return trial
         chosen = self.choose(sizes, x.dtype, shapes)
-        sub = self.subs[self.choices.get(str(key), chosen)]
+        name = self.choices.get(str(key), chosen)
+        if str(key) not in self._handed_over:
+            self._hand_over(x, key, name, shapes, keys)
+        sub = self.subs[name]
         sub.into_input = self.into_input
         return sub.exchange(x, key, ctx, average, shapes, keys)
+
+    def _hand_over(self, x: torch.Tensor, key: int | str, chosen: str, shapes: list[torch.Size] | None,
+                   keys: list[str] | None) -> None:
+        """Once per bucket, at its first exchange after the choice: what the other candidates'
+        error feedback still holds from their trial turns goes into this rank's gradient (x, in
+        place), so the chosen exchange sends it rather than it being dropped with them."""
+        self._handed_over.add(str(key))
+        for name, sub in self.subs.items():
+            if name != chosen:
+                left = sub.take_leftover(x, key, shapes, keys)
+                if left is not None:
+                    x.add_(left)
 
     def take_stats(self) -> ExchangeStats:
         return take_stats_of(self.subs.values())
 
     def state_dict(self) -> dict[str, Any]:
         return {"choice": self.choice, "choices": dict(self.choices),  # (a resumed run keeps its choices;
-                "subs": {n: s.state_dict() for n, s in self.subs.items()}}  # one taken in the trial restarts it)
+                "handed_over": sorted(self._handed_over),  # one taken in the trial restarts it)
+                "subs": {n: s.state_dict() for n, s in self.subs.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.choice = state["choice"]
         self.choices = dict(state.get("choices", {}))
+        self._handed_over = set(state.get("handed_over", ()))
         for n, s in state["subs"].items():
             self.subs[n].load_state_dict(s)
