@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS_DIR = Path(__file__).resolve().parent / "mpi_programs"
 # the example imports torch.optim (seconds per rank): one world size is enough
 PROGRAM_WORLDS = {"collectives": (2, 4), "sparse_exchange": (2, 4), "train": (2, 4), "example": (2,),
-                  "oktopk": (2, 3, 4, 8), "hostile": (2,)}
+                  "oktopk": (2, 3, 4, 8), "hostile": (2,), "outer": (2, 4)}
 PROGRAMS = tuple(PROGRAM_WORLDS)
 WORLDS = tuple(sorted({w for ws in PROGRAM_WORLDS.values() for w in ws}))
 JOB_TIMEOUT = 150.0  # a hang fails after this; a normal job takes 10-40 s

@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# Issue 27's mnist1d sweep in one session, with less noise in the step at which accuracy crosses the target: 2 emulated nodes x 2 ranks, 100 Mbit/s, 40 and 80 ms round trips; dense, bf16 and powersgd@auto over seeds 0-2 (each seed's target is its own dense run's), PowerSGD between nodes and the O(k) sparse allreduce seed 0; an evaluation every 25 steps.
+# Needs root, iproute2 and vde2 (scripts/install-wan.sh). About 90 minutes on a 2-core machine; resumable (rerun the same command). Run from any folder: bash experiments/tta-wan-mnist1d-seeds.sh [extra options]
+exec gradwire experiment --task mnist1d --nodes 2 --ranks-per-node 2 --links 100mbit --rtt 40ms,80ms --seeds 0 --methods none,bf16,powersgd:rank=4@hierarchical,topk:ratio=0.01@oktopk,powersgd:rank=4@auto --method-seeds none=0,1,2 --method-seeds bf16=0,1,2 --method-seeds powersgd:rank=4@auto=0,1,2 --steps 500 --eval-every 25 --out experiment-results/tta-wan-mnist1d-seeds "$@"
