@@ -48,6 +48,20 @@ def dense_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: dist.Process
     dist.reduce_scatter_tensor(out, x, op=op, group=group)
 
 
+# Every group this module makes lives until the process exits (destroy_process_group shuts it
+# down). A gloo group's destructor joins its worker threads, and futures' callbacks run on those
+# threads, where Python's cyclic GC may free a dropped backend: had it held the group's last
+# reference, the thread would join itself and the process abort ("Resource deadlock avoided").
+_GROUPS_MADE: list[dist.ProcessGroup] = []
+
+
+def _new_group(ranks: list[int], timeout: datetime.timedelta | None, sort_ranks: bool = True) -> dist.ProcessGroup:
+    """A group of `ranks` made by them alone, kept alive for the process (see _GROUPS_MADE)."""
+    group = dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True, sort_ranks=sort_ranks)
+    _GROUPS_MADE.append(group)
+    return group
+
+
 STRIPE_MIN_BYTES = 256 * 1024  # smaller allreduces are round-trip bound: one connection is as fast
 STRIPES_ENV = "GRADWIRE_GLOO_STRIPES"
 
@@ -140,8 +154,7 @@ class TorchDistBackend(Backend):
                                           f"stripes=): {sorted(told)}; every rank must use the same")
             ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r
                      for r in range(self.world_size)]
-            extra = [dist.new_group(ranks=ranks, timeout=self.timeout, use_local_synchronization=True)
-                     for _ in range(self.stripes - 1)]
+            extra = [_new_group(ranks, self.timeout) for _ in range(self.stripes - 1)]
             self._stripe_groups = [self.group, *extra]
         return self._stripe_groups
 
@@ -227,5 +240,5 @@ class TorchDistBackend(Backend):
         ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r for _, r in members]
         # only the members create their group, so the groups of other colors need not exist here;
         # the sub-group fails within the parent's timeout, not torch's 30-minute default
-        group = dist.new_group(ranks=ranks, use_local_synchronization=True, sort_ranks=False, timeout=self.timeout)
+        group = _new_group(ranks, self.timeout, sort_ranks=False)
         return TorchDistBackend(group, stripes=self.stripes)

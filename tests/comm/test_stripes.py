@@ -5,6 +5,8 @@ on every rank. Its goodput across a long link: benchmarks/wan_links.py."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -79,6 +81,42 @@ def _hook_with_env_stripes(rank: int, world: int) -> list[torch.Tensor]:
 def test_the_hook_stripes_when_the_environment_says_so() -> None:
     a, b = run_ranks(_hook_with_env_stripes, 2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+_torn_down = threading.Event()
+
+
+class _HoldsTheThreadUntilTeardown:
+    def __del__(self) -> None:
+        _torn_down.wait(10)
+
+
+def _released_on_the_groups_own_thread(rank: int, world: int, which: str) -> str:
+    backend = TorchDistBackend(stripes=2).split(0, rank)  # a group split() made, striped
+    backend.allreduce(torch.ones(STRIPE_MIN_BYTES // 4)).wait()
+    group = backend.group if which == "split" else backend._stripe_groups[1]
+
+    # A collective's callback that holds the backend, as gradwire's closures do; the group's worker
+    # thread drops it only after the process group is torn down (defaults go last to first).
+    def callback(f: torch.futures.Future, held: TorchDistBackend = backend,
+                 stall: _HoldsTheThreadUntilTeardown = _HoldsTheThreadUntilTeardown()) -> int:
+        return 1
+
+    done = dist.all_reduce(torch.ones(10), group=group, async_op=True).get_future().then(callback)
+    del backend, group, callback
+    done.wait()
+    del done
+    dist.destroy_process_group()
+    _torn_down.set()
+    time.sleep(0.5)  # long enough for the worker thread to drop the backend
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # multiproc destroys it
+    return "alive"
+
+
+@pytest.mark.parametrize("which", ["split", "stripe"])
+def test_a_group_dropped_last_on_its_own_thread_does_not_abort_the_process(which: str) -> None:
+    """A gloo group freed on its own worker thread joins itself: "Resource deadlock avoided", SIGABRT."""
+    assert run_ranks(_released_on_the_groups_own_thread, 2, which) == ["alive", "alive"]
 
 
 def test_a_bad_stripe_count_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
