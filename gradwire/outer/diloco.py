@@ -102,6 +102,7 @@ class DiLoCo:
         settings = {**(named_recipe.settings if named_recipe else {}), **{k: v for k, v in given.items() if v is not None}}
         if named_recipe is not None:
             compressor = named_recipe.compressor
+            exchange_options = {**named_recipe.exchange, **exchange_options}
         self.config = OuterConfig(int(sync_every), int(fragments), int(delay), float(mix),
                                   **{k: _SETTING_TYPES[k](v) for k, v in settings.items()})
         self.model = model

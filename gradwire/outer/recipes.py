@@ -6,9 +6,11 @@ the paper; 1.56% in its 72B run) is sent as 2-bit values, and the mean is applie
 SGD: the decaying accumulator stands in for DiLoCo's outer momentum, so there is none. Here:
 `topk:chunk=4096` keeps 1% of each chunk of 4096 (the density at which the packet is about
 150x smaller than bf16's), values as TernGrad's two bits (sign and nonzero, times the
-chunk's largest |value|), beta = 0.95, outer lr 1. Every part is an ordinary gradwire
-compressor or DiLoCo option and can be given instead (`DiLoCo(compressor=..., momentum=0,
-feedback_decay=...)`).
+chunk's largest |value|), beta = 0.95, outer lr 1. The chunks cover the flattened model
+(`per_tensor=False`), not each tensor: a model's many small tensors (norms, biases) would each
+add a packet and a kept entry per chunk, 127x fewer bytes than bf16 instead of 156x on a 4.9M-
+parameter GPT. Every part is an ordinary gradwire compressor, DiLoCo or exchange option and can be
+given instead (`DiLoCo(compressor=..., momentum=0, feedback_decay=..., per_tensor=...)`).
 """
 
 from __future__ import annotations
@@ -19,15 +21,18 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Recipe:
-    """A compressor spelling and the DiLoCo settings it is meant with (explicit ones win)."""
+    """A compressor spelling, the DiLoCo settings and the exchange options it is meant with
+    (explicit ones win)."""
 
     compressor: str
     settings: dict[str, Any] = field(default_factory=dict)
+    exchange: dict[str, Any] = field(default_factory=dict)
 
 
 RECIPES: dict[str, Recipe] = {
     "sparseloco": Recipe("topk:ratio=0.01,chunk=4096+terngrad",
-                         {"momentum": 0.0, "nesterov": False, "outer_lr": 1.0, "feedback_decay": 0.95}),
+                         {"momentum": 0.0, "nesterov": False, "outer_lr": 1.0, "feedback_decay": 0.95},
+                         {"per_tensor": False}),
 }
 
 

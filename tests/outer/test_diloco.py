@@ -293,7 +293,11 @@ def test_feedback_decay_follows_sparseloco_s_equations() -> None:
 
 def _sparseloco_bytes(rank: int, world: int) -> dict:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 512))
+    # norms and biases: small tensors, each its own packet were the model compressed tensor by tensor
+    # (148x here, not 150x)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024), torch.nn.Tanh(),
+                                torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024), torch.nn.Tanh(),
+                                torch.nn.Linear(1024, 512))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     out = {}
     for name in ("sparseloco", "bf16"):
@@ -304,16 +308,19 @@ def _sparseloco_bytes(rank: int, world: int) -> dict:
             model(x).square().mean().backward()
             opt.step()
             outer.step()
-        out[name] = (outer.stats[-1]["bytes_sent"], outer.config, str(outer.exchangers[0].compressor))
+        out[name] = (outer.stats[-1]["bytes_sent"], outer.config, str(outer.exchangers[0].compressor),
+                     outer.exchangers[0].config.per_tensor)
     return out
 
 
 def test_the_sparseloco_recipe_sends_150x_fewer_bytes_than_bf16() -> None:
-    """1% of each chunk of 4096 with 2-bit values: on a 1.6M-parameter model one sync sends
-    at least 150x fewer bytes than the same sync in bf16; no outer momentum, decaying feedback."""
+    """1% of each chunk of 4096 of the flattened model with 2-bit values: on a 2.6M-parameter model
+    with norms one sync sends at least 150x fewer bytes than the same sync in bf16; no outer
+    momentum, decaying feedback."""
     a, b = run_ranks(_sparseloco_bytes, 2)
     assert a["sparseloco"][1:] == b["sparseloco"][1:]  # (the bytes may differ: index coding follows the data)
-    sparse, config, spec = a["sparseloco"]
+    sparse, config, spec, per_tensor = a["sparseloco"]
+    assert not per_tensor and b["bf16"][3]  # the recipe's chunks cover the model; bf16 stays per tensor
     for run in (a, b):
         assert run["bf16"][0] >= 150 * run["sparseloco"][0], (run["bf16"][0], run["sparseloco"][0])
     assert spec == "topk:chunk=4096+terngrad"
