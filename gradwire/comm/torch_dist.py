@@ -49,9 +49,9 @@ def dense_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: dist.Process
 
 
 # Every group this module makes lives until the process exits (destroy_process_group shuts it
-# down). A gloo group's destructor joins its worker threads, and futures' callbacks run on those
-# threads, where Python's cyclic GC may free a dropped backend: had it held the group's last
-# reference, the thread would join itself and the process abort ("Resource deadlock avoided").
+# down). A gloo group's destructor joins its worker threads, and a collective's callback runs on
+# one of them holding the backend through its closure: were the backend's reference the group's
+# last, that thread could drop it, join itself, and abort the process ("Resource deadlock avoided").
 _GROUPS_MADE: list[dist.ProcessGroup] = []
 
 

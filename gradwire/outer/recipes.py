@@ -8,8 +8,8 @@ SGD: the decaying accumulator stands in for DiLoCo's outer momentum, so there is
 150x smaller than bf16's), values as TernGrad's two bits (sign and nonzero, times the
 chunk's largest |value|), beta = 0.95, outer lr 1. The chunks cover the flattened model
 (`per_tensor=False`), not each tensor: a model's many small tensors (norms, biases) would each
-add a packet and a kept entry per chunk, 127x fewer bytes than bf16 instead of 156x on a 4.9M-
-parameter GPT. Every part is an ordinary gradwire compressor, DiLoCo or exchange option and can be
+add a packet and a kept entry per chunk (docs/benchmarks.md, "The larger LM across the WAN",
+has what that cost on a GPT). Every part is an ordinary gradwire compressor, DiLoCo or exchange option and can be
 given instead (`DiLoCo(compressor=..., momentum=0, feedback_decay=..., per_tensor=...)`).
 """
 
