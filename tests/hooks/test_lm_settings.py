@@ -141,6 +141,12 @@ def _frozen_v_adam(steps: int, dense: int, lr: float, world: int) -> list[torch.
     return [p.detach().clone() for p in params]
 
 
+def _close_but_few_bf16_flips(expected: torch.Tensor, actual: torch.Tensor) -> bool:
+    """Equal to fp32 precision except at most 4 coordinates, each off by under a tenth of a step (lr 0.01)."""
+    off = ~torch.isclose(actual, expected, rtol=1e-4, atol=1e-6)
+    return int(off.sum()) <= 4 and bool(((actual - expected).abs() < 1e-3).all())
+
+
 def _global_adam(rank: int, world: int) -> dict:
     out = {}
     base = DDP(make_model())
@@ -175,7 +181,10 @@ def test_global_adam_is_adam_on_the_average_and_compresses_the_momentum():
     reference = _frozen_v_adam(8, 3, 0.01, 2)
     bf16_adam = _frozen_v_adam(8, 100, 0.01, 2)  # never compressed: Adam on the bf16-exchanged average
     for r in results:
-        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(bf16_adam, r["never"]))
+        # fp32 arithmetic differing in the last bit (CPU-dependent kernels) can, once in a great while, put a
+        # gradient on the other side of a bf16 rounding boundary: one coordinate then moves a fraction of a
+        # step. An fp32 exchange in place of bf16 would move thousands of coordinates by up to 3 steps.
+        assert all(_close_but_few_bf16_flips(a, b) for a, b in zip(bf16_adam, r["never"]))
         # bf16 moves coordinates whose two halves nearly cancel, which Adam then normalizes; the rest is Adam's
         assert all(torch.allclose(a, b, atol=0.05) for a, b in zip(r["adam"], r["never"]))
         assert r["default_start"] == 12 and r["exact_start"] == 3 and r["start"] == 4
