@@ -28,6 +28,7 @@ class Method:
     options: dict[str, Any] = field(default_factory=dict)
     error_feedback: bool = True
     outer: dict[str, Any] = field(default_factory=dict)  # DiLoCo's settings (gradwire.outer); empty: per step
+    replica: str = "rank"  # an outer loop's replica: one rank, or one node whose ranks run DDP inside
 
 
 def parse_method(spec: str, strategy: str = "default", error_feedback: str = "auto", min_numel: int = 0) -> Method:
@@ -99,9 +100,9 @@ def _torchft(spec: str) -> Method:
 
 def _diloco(spec: str, error_feedback: str) -> Method:
     """`diloco:H=100[,fragments=F,delay=T,mix=A,outer_lr=..,momentum=..,decay=..][+compressor][@strategy]`: replicas
-    that train alone and average their pseudo-gradients every H steps (gradwire.outer), through the
-    compressor (default none; or a recipe: `+sparseloco`) and strategy (allreduce for summable
-    payloads, else allgather)."""
+    (ranks, or nodes with `replica=node`) that train alone and average their pseudo-gradients every
+    H steps (gradwire.outer), through the compressor (default none; or a recipe: `+sparseloco`) and
+    strategy (allreduce for summable payloads, else allgather)."""
     head, plus, rest = spec.partition("+")
     head, at, via = head.partition("@")
     if at and plus:
@@ -109,12 +110,31 @@ def _diloco(spec: str, error_feedback: str) -> Method:
     rest, at2, via2 = rest.partition("@")
     via = (via or via2).strip()
     _, _, args = head.partition(":")
+    args, replica = _replica_option(args, spec)
     outer = _outer_options("diloco", tuple(OUTER_OPTIONS), args, spec)
     named = recipe(rest.strip())  # (sparseloco: a compressor with the outer settings it is meant with)
     c = make_compressor(named.compressor if named else rest.strip() or "none")
     strategy = via or ("allreduce" if c.summable else "allgather")
     return Method(spec, rest.strip() if named else str(c), strategy, {}, resolve_error_feedback(error_feedback, c),
-                  outer)
+                  outer, replica)
+
+
+REPLICAS = ("rank", "node")
+
+
+def _replica_option(args: str, spec: str) -> tuple[str, str]:
+    """Take `replica=rank|node` out of diloco's options: `node` makes each node one replica whose
+    ranks train with DDP inside it (the deployment across datacenters: DiLoCo only between nodes)."""
+    kept, replica = [], "rank"
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key != "replica":
+            kept.append(item)
+        elif value in REPLICAS:
+            replica = value
+        else:
+            raise ValueError(f"{spec!r}: replica= takes {' or '.join(REPLICAS)}, got {value!r}")
+    return ",".join(kept), replica
 
 
 def _powersgd(strategy: str, options: dict[str, Any], error_feedback: str) -> Method:
@@ -180,6 +200,10 @@ class RunConfig:
         method = parse_method(self.method, self.strategy, self.error_feedback, self.min_numel)
         if self.engine != "ddp" and (self.start_iter >= 0 or self.warmup or self.precondition):
             raise ValueError("--start-iter, --warmup and --precondition are options of the DDP hook (--engine ddp)")
+        if method.replica == "node" and (self.engine != "ddp" or self.ranks_per_node < 2):
+            raise ValueError(f"{self.method!r}: replica=node runs DDP inside each node and DiLoCo between nodes; "
+                             f"it needs --engine ddp and --ranks-per-node >= 2 (got {self.engine}, "
+                             f"{self.ranks_per_node})")
         if self.engine == "fsdp" and method.strategy == "powersgd":
             raise ValueError("powersgd needs an all-reduce; FSDP reduce-scatters (it runs on HSDP's cross-replica "
                              "all-reduce: --engine hsdp --ranks-per-node G)")

@@ -146,6 +146,24 @@ class _OuterStats:
         return model
 
 
+class _NodeReplicaStats(_OuterStats):
+    """A node as one DiLoCo replica: its ranks' DDP all-reduce every step (inside the node) and the
+    syncs between nodes, read as one `last_stats`."""
+
+    def __init__(self, outer: DiLoCo, inner: Any) -> None:
+        super().__init__(outer)
+        self.inner = inner
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        between, inside = super().last_stats, self.inner.last_stats or {}
+        return {"bytes_sent": between.get("bytes_sent", 0) + inside.get("bytes_sent", 0),
+                "intra_bytes_sent": inside.get("bytes_sent", 0),
+                "dense_bytes": between.get("dense_bytes", 0) + inside.get("dense_bytes", 0),
+                "exchange_s": between.get("exchange_s", 0.0) + inside.get("encode_s", 0.0)
+                + inside.get("exchange_s", 0.0) + inside.get("decode_s", 0.0)}
+
+
 class _TorchftStats:
     """torchft's DiLoCo (the outside reference) read like `_OuterStats`: the syncs it issued in the
     step; built once the inner optimizer exists (torchft hooks its step)."""
@@ -229,6 +247,18 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int, addr: str = "127
     elif method.strategy == "torchft":  # torchft's DiLoCo: started below, once the optimizer exists
         ddp = model
         state = _TorchftStats(method, rank, world, addr)
+    elif method.outer and method.replica == "node":  # DDP inside each node, DiLoCo between the nodes
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // cfg.ranks_per_node, cfg.ranks_per_node),
+                                mesh_dim_names=("replicate", "node"))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["node"].get_group(),
+                                                        broadcast_buffers=False)
+        inside = gradwire.hooks.ddp.register(ddp, "none", strategy="dense")  # (counts the bytes)
+        state = _NodeReplicaStats(DiLoCo(model, compressor=method.compressor, strategy=method.strategy,
+                                         backend=TorchDistBackend(mesh["replicate"].get_group()),
+                                         error_feedback=method.error_feedback, seed=cfg.seed, **method.outer),
+                                  inside)
     elif method.outer:  # DiLoCo: every rank a replica training alone, syncing every H steps
         ddp = model
         state = _OuterStats(DiLoCo(model, compressor=method.compressor, strategy=method.strategy,
@@ -339,7 +369,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int, addr: str = "127
     summary["compute_utilization"] = min(1.0, compute_ref * cfg.steps / wall) if wall > 0 else 0.0
     if isinstance(state, _OuterStats):
         exposed = sum(s["launch_s"] + s["wait_s"] for s in state.outer.stats)
-        summary["compute_utilization"] = max(0.0, 1.0 - exposed / wall) if wall > 0 else 0.0
+        if not isinstance(state, _NodeReplicaStats):  # (a node's inner steps all-reduce: the per-step share above)
+            summary["compute_utilization"] = max(0.0, 1.0 - exposed / wall) if wall > 0 else 0.0
         summary["exposed_comm_s"] = exposed
         summary["syncs"] = len(state.outer.stats)
         summary["peak_bytes_in_flight"] = state.outer.peak_bytes_in_flight()

@@ -214,6 +214,40 @@ def test_gradwire_experiment_runs_diloco_methods(tmp_path) -> None:
     assert synced == [10, 20, 30, 40]
 
 
+def test_gradwire_experiment_runs_a_node_as_one_replica(tmp_path, capsys) -> None:
+    """`diloco:H=..,replica=node` on 2 nodes x 2 ranks: DDP inside each node every step (counted as
+    intra-node bytes), DiLoCo between the 2 nodes every H steps (each rank sends its share: the
+    same bytes as 2 single-rank replicas)."""
+    import json
+
+    from gradwire.experiments import cli
+    from gradwire.experiments.config import parse_method
+
+    out = tmp_path / "sweep"
+    assert cli.main(["--methods", "diloco:H=10,replica=node", "--worlds", "4", "--ranks-per-node", "2",
+                     "--steps", "20", "--eval-every", "20", "--no-progress", "--out", str(out)]) == 0
+    assert cli.main(["--methods", "diloco:H=10", "--worlds", "2", "--steps", "20", "--eval-every", "20",
+                     "--no-progress", "--out", str(out)]) == 0
+    runs = {(s["method"]["label"], s["config"]["world"]): s
+            for s in (json.loads(p.read_text()) for p in out.glob("runs/*/summary.json"))}
+    node, ranks = runs[("diloco:H=10,replica=node", 4)], runs[("diloco:H=10", 2)]
+    assert node["method"]["replica"] == "node" and node["method"]["outer"] == {"sync_every": 10}
+    fp32 = 4 * node["params"]
+    assert node["intra_bytes_sent_per_rank"] == [20 * fp32] * 4  # every inner step all-reduces inside the node
+    between = [b - i for b, i in zip(node["bytes_sent_per_rank"], node["intra_bytes_sent_per_rank"])]
+    assert between == [ranks["bytes_sent"]] * 4 and 0 < ranks["bytes_sent"] <= 2 * fp32
+    assert node["syncs"] == ranks["syncs"] == 2
+    assert node["final"]["accuracy"] > 15.0  # it learned (mnist1d: 10 classes)
+    steps = [json.loads(line) for line in (out / "runs" / node["run_id"] / "steps.jsonl").read_text().splitlines()]
+    synced = [r["step"] for r in steps if r["type"] == "step" and r["bytes_sent"] > r["intra_bytes_sent"]]
+    assert synced == [10, 20]
+    # one rank per node would be DDP over a single rank: refused before anything runs
+    assert cli.main(["--methods", "diloco:H=10,replica=node", "--worlds", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "replica=node" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="replica= takes rank or node"):
+        parse_method("diloco:H=10,replica=datacenter")
+
+
 def _fragments_mismatch(rank: int, world: int) -> str:
     try:
         _train(rank, world, dict(sync_every=4, fragments=1 + rank))
