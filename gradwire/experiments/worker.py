@@ -369,8 +369,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int, addr: str = "127
     summary["compute_utilization"] = min(1.0, compute_ref * cfg.steps / wall) if wall > 0 else 0.0
     if isinstance(state, _OuterStats):
         exposed = sum(s["launch_s"] + s["wait_s"] for s in state.outer.stats)
-        if not isinstance(state, _NodeReplicaStats):  # (a node's inner steps all-reduce: the per-step share above)
-            summary["compute_utilization"] = max(0.0, 1.0 - exposed / wall) if wall > 0 else 0.0
+        # (with replica=node the DDP all-reduce inside the node counts as compute: the fast link of a datacenter)
+        summary["compute_utilization"] = max(0.0, 1.0 - exposed / wall) if wall > 0 else 0.0
         summary["exposed_comm_s"] = exposed
         summary["syncs"] = len(state.outer.stats)
         summary["peak_bytes_in_flight"] = state.outer.peak_bytes_in_flight()
