@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# Issue 28: DiLoCo between 2 emulated nodes (DDP inside each, replica=node) syncing every 10 steps with plain averaging (outer lr 1, no momentum), uncompressed and int8, on charlm's `gpt` (4.9M parameters) at 100 Mbit/s with 40 ms round trips; 300 steps of batch 4 per rank, seed 0 (dense's seed-0 run is in tta-wan-diloco-gpt.sh).
+# Needs root, iproute2 and vde2 (scripts/install-wan.sh). About 8 minutes on a 2-core machine; resumable (rerun the same command). Run from any folder: bash experiments/tta-wan-diloco-gpt-h10.sh [extra options]
+exec gradwire experiment --task charlm --arch gpt --batch 4 --nodes 2 --ranks-per-node 2 --links 100mbit --rtt 40ms --seeds 0 --methods diloco:H=10,outer_lr=1,momentum=0,replica=node,diloco:H=10,outer_lr=1,momentum=0,replica=node+int8 --steps 300 --eval-every 25 --out experiment-results/tta-wan-diloco-gpt-h10 "$@"
