@@ -60,7 +60,7 @@ def parse_method(spec: str, strategy: str = "default", error_feedback: str = "au
     return Method(label, canonical, chosen, options, ef)
 
 
-OUTER_OPTIONS = {"H": "sync_every", "fragments": "fragments", "delay": "delay", "mix": "mix",
+OUTER_OPTIONS = {"H": "sync_every", "fragments": "fragments", "delay": "delay", "mix": "mix", "carry": "carry",
                  "outer_lr": "outer_lr", "momentum": "momentum", "decay": "feedback_decay"}
 
 
@@ -74,7 +74,9 @@ def _outer_options(method: str, allowed: tuple[str, ...], args: str, spec: str) 
             raise ValueError(f"{method} takes {', '.join(f'{k}=' for k in allowed)}; got {item!r} in {spec!r}")
         number = float(value)
         as_int = number.is_integer() and key in ("H", "fragments", "delay")
-        outer[OUTER_OPTIONS[key]] = int(number) if as_int else number
+        if key == "carry" and number not in (0, 1):
+            raise ValueError(f"{spec!r}: carry= takes 0 or 1, got {value!r}")
+        outer[OUTER_OPTIONS[key]] = bool(number) if key == "carry" else int(number) if as_int else number
     if "sync_every" not in outer:
         raise ValueError(f"{spec!r}: say how often replicas sync, e.g. {method}:H=100")
     OuterConfig(**outer)
@@ -99,7 +101,7 @@ def _torchft(spec: str) -> Method:
 
 
 def _diloco(spec: str, error_feedback: str) -> Method:
-    """`diloco:H=100[,fragments=F,delay=T,mix=A,outer_lr=..,momentum=..,decay=..][+compressor][@strategy]`: replicas
+    """`diloco:H=100[,fragments=F,delay=T,mix=A|carry=1,outer_lr=..,momentum=..,decay=..][+compressor][@strategy]`: replicas
     (ranks, or nodes with `replica=node`) that train alone and average their pseudo-gradients every
     H steps (gradwire.outer), through the compressor (default none; or a recipe: `+sparseloco`) and
     strategy (allreduce for summable payloads, else allgather)."""

@@ -12,7 +12,12 @@ fragments (in order, about equal in size) that sync in turn, fragment f every H 
 f*H/F, so each sync moves 1/F of the model; with `delay=tau` a fragment's exchange is issued at
 its sync step and applied tau inner steps later, the replicas training on meanwhile (the
 collectives run in the transport's threads), and the fragment's local weights become
-(1 - alpha) * new global + alpha * local (`mix=alpha`; 0: take the global weights).
+(1 - alpha) * new global + alpha * local (`mix=alpha`; 0: take the global weights). With
+`carry=True` the tau local steps taken while the exchange was in flight are kept instead: the
+fragment becomes new global + (local now - local at launch), so a delayed sync costs no local
+progress (with outer lr 1 and no momentum: each replica moves by the mean of the replicas' launch
+weights minus its own). Which of the two trains better depends on the run; docs/benchmarks.md
+measures both.
 
 A replica is one process here, or one rank of a group that trains with DDP or FSDP2 inside:
 give `backend` over the ranks that hold the same part of the model in every replica (for DDP
@@ -51,6 +56,7 @@ class OuterConfig:
     fragments: int = 1
     delay: int = 0
     mix: float = 0.0
+    carry: bool = False  # keep the local steps taken while a delayed exchange was in flight
     outer_lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
@@ -67,6 +73,11 @@ class OuterConfig:
                              f"next one, got {self.delay}")
         if not 0.0 <= self.mix < 1.0:
             raise ValueError(f"mix must be in [0, 1), got {self.mix}")
+        if self.carry and not self.delay:
+            raise ValueError("carry keeps the local steps taken while an exchange is in flight; with delay=0 "
+                             "there are none: give delay >= 1")
+        if self.carry and self.mix:
+            raise ValueError(f"carry and mix={self.mix} are two ways to keep local progress: give one")
         if not 0.0 <= self.feedback_decay <= 1.0:
             raise ValueError(f"feedback_decay must be in [0, 1], got {self.feedback_decay}")
 
@@ -94,7 +105,7 @@ class DiLoCo:
 
     def __init__(self, model: torch.nn.Module, sync_every: int = 100, compressor: Any = "none",
                  strategy: str | None = None, *, backend: Backend | None = None, fragments: int = 1,
-                 delay: int = 0, mix: float = 0.0, outer_lr: float | None = None, momentum: float | None = None,
+                 delay: int = 0, mix: float = 0.0, carry: bool = False, outer_lr: float | None = None, momentum: float | None = None,
                  nesterov: bool | None = None, feedback_decay: float | None = None,
                  error_feedback: bool | str = "auto", **exchange_options: Any) -> None:
         named_recipe = recipe(compressor)
@@ -103,7 +114,7 @@ class DiLoCo:
         if named_recipe is not None:
             compressor = named_recipe.compressor
             exchange_options = {**named_recipe.exchange, **exchange_options}
-        self.config = OuterConfig(int(sync_every), int(fragments), int(delay), float(mix),
+        self.config = OuterConfig(int(sync_every), int(fragments), int(delay), float(mix), bool(carry),
                                   **{k: _SETTING_TYPES[k](v) for k, v in settings.items()})
         self.model = model
         self.backend = backend if backend is not None else TorchDistBackend()
@@ -133,6 +144,7 @@ class DiLoCo:
         self.syncs = 0
         self._pending: dict[int, tuple[int, Work[dict[str, Any]]]] = {}  # fragment -> (apply at, exchange)
         self._launched: dict[int, tuple[int, float]] = {}  # fragment -> (launch step, seconds the launch took)
+        self._at_launch: dict[int, list[torch.Tensor]] = {}  # fragment -> its local weights at launch (carry)
         self.stats: list[dict[str, Any]] = []  # one record per sync: fragment, step, bytes sent
 
     def describe_outer(self) -> str:
@@ -165,6 +177,8 @@ class DiLoCo:
         with torch.no_grad():
             for i in members:  # the pseudo-gradient: where the replica went since the last sync, reversed
                 self.globals[i].grad = self.globals[i].detach() - _local(self.params[i]).detach()
+            if self.config.carry:
+                self._at_launch[k] = [_local(self.params[i]).detach().clone() for i in members]
         work = self.exchangers[k].exchange_async_([(self.names[i], self.globals[i]) for i in members])
         self._pending[k] = (self.inner_step + self.config.delay, work)
         self._launched[k] = (self.inner_step, time.perf_counter() - started)
@@ -177,13 +191,16 @@ class DiLoCo:
         launched, launch_s = self._launched.pop(k)
         self.outer_opts[k].step()
         alpha = self.config.mix
+        at_launch = iter(self._at_launch.pop(k, []))
         with torch.no_grad():
             for i, f in enumerate(self.fragment_of):
                 if f != k:
                     continue
                 self.globals[i].grad = None
                 local = _local(self.params[i])
-                if alpha:
+                if self.config.carry:  # new global + the steps taken since the launch
+                    local.sub_(next(at_launch)).add_(self.globals[i].detach())
+                elif alpha:
                     local.mul_(alpha).add_(self.globals[i].detach(), alpha=1 - alpha)
                 else:
                     local.copy_(self.globals[i].detach())

@@ -47,50 +47,53 @@ def _train(rank: int, world: int, options: dict, steps: int = STEPS) -> dict:
 
 
 def simulate(world: int, steps: int, sync_every: int, fragments: int = 1, delay: int = 0, mix: float = 0.0,
-             outer_lr: float = 0.7, momentum: float = 0.9) -> list[list[torch.Tensor]]:
+             carry: bool = False, outer_lr: float = 0.7, momentum: float = 0.9) -> list[list[torch.Tensor]]:
     """Every replica in one process; at fragment k's sync the mean of (global - local) over
     replicas drives Nesterov SGD on the global weights, applied `delay` steps later, when each
-    replica's fragment becomes (1 - mix) * global + mix * local."""
+    replica's fragment becomes (1 - mix) * global + mix * local, or with `carry` global + (its
+    local weights now - its local weights at the sync)."""
     models = [_model() for _ in range(world)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     glob = [p.detach().clone() for p in models[0].parameters()]
     frag = split_fragments([p.numel() for p in glob], fragments)
     velocity = [torch.zeros_like(g) for g in glob]
-    pending: list[tuple[int, int, list[torch.Tensor]]] = []  # (apply at, fragment, mean pseudo-gradient)
+    pending: list[tuple[int, int, list]] = []  # (apply at, fragment, mean pseudo-gradient, replicas' weights then)
     for step in range(steps):
         for r, (m, o) in enumerate(zip(models, opts)):
             _inner_step(m, o, r, step)
         t = step + 1
-        for due, k, delta in [p for p in pending if p[0] == t]:
-            _apply(models, glob, velocity, frag, k, delta, outer_lr, momentum, mix)
-            pending.remove((due, k, delta))
+        for entry in [p for p in pending if p[0] == t]:
+            _apply(models, glob, velocity, frag, *entry[1:], outer_lr, momentum, mix)
+            pending.remove(entry)
         for k in range(fragments):
             if t % sync_every == (sync_every * (k + 1)) // fragments % sync_every:
                 delta = [sum(g - list(m.parameters())[i].detach() for m in models) / world if frag[i] == k else None
                          for i, g in enumerate(glob)]
+                then = [[p.detach().clone() for p in m.parameters()] for m in models] if carry else None
                 if delay:
-                    pending.append((t + delay, k, delta))
+                    pending.append((t + delay, k, delta, then))
                 else:
-                    _apply(models, glob, velocity, frag, k, delta, outer_lr, momentum, mix)
-    for _, k, delta in pending:
-        _apply(models, glob, velocity, frag, k, delta, outer_lr, momentum, mix)
+                    _apply(models, glob, velocity, frag, k, delta, then, outer_lr, momentum, mix)
+    for entry in pending:
+        _apply(models, glob, velocity, frag, *entry[1:], outer_lr, momentum, mix)
     return [[p.detach().clone() for p in m.parameters()] for m in models]
 
 
-def _apply(models, glob, velocity, frag, k, delta, lr, momentum, mix) -> None:
+def _apply(models, glob, velocity, frag, k, delta, then, lr, momentum, mix) -> None:
     with torch.no_grad():
         for i, g in enumerate(glob):
             if frag[i] != k:
                 continue
             velocity[i] = momentum * velocity[i] + delta[i]
             g -= lr * (delta[i] + momentum * velocity[i])  # Nesterov, as torch.optim.SGD(nesterov=True)
-            for m in models:
+            for r, m in enumerate(models):
                 p = list(m.parameters())[i]
-                p.copy_((1 - mix) * g + mix * p)
+                p.copy_(g + (p - then[r][i]) if then else (1 - mix) * g + mix * p)
 
 
-@pytest.mark.parametrize("options", [dict(sync_every=3), dict(sync_every=4, fragments=2, delay=1, mix=0.5)],
-                         ids=["diloco", "streaming"])
+@pytest.mark.parametrize("options", [dict(sync_every=3), dict(sync_every=4, fragments=2, delay=1, mix=0.5),
+                                     dict(sync_every=4, fragments=2, delay=1, carry=True, outer_lr=1.0, momentum=0.0)],
+                         ids=["diloco", "streaming", "streaming-carry"])
 def test_uncompressed_diloco_matches_the_papers_equations(options: dict) -> None:
     results = run_ranks(_train, 2, options)
     want = simulate(2, STEPS, **options)
@@ -99,7 +102,7 @@ def test_uncompressed_diloco_matches_the_papers_equations(options: dict) -> None
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     a, b = results
     same = all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
-    assert same == (not options.get("mix"))  # mixing keeps a share of each replica's own weights
+    assert same == (not options.get("mix") and not options.get("carry"))  # both keep some of a replica's own steps
     fragments = options.get("fragments", 1)
     assert {s["fragment"] for s in a["stats"]} == set(range(fragments))
     if fragments == 2:  # staggered: fragment 0 at steps 2, 6; fragment 1 at 4, 8; applied one step later
@@ -182,7 +185,9 @@ def test_a_resumed_run_continues_bit_identically() -> None:
 def test_bad_settings_are_refused() -> None:
     for kwargs, match in [(dict(sync_every=0), "must be >= 1"), (dict(sync_every=4, fragments=5), "cannot take turns"),
                           (dict(sync_every=4, fragments=2, delay=2), "below sync_every / fragments"),
-                          (dict(mix=1.0), r"mix must be in \[0, 1\)")]:
+                          (dict(mix=1.0), r"mix must be in \[0, 1\)"),
+                          (dict(sync_every=4, carry=True), "with delay=0 there are none"),
+                          (dict(sync_every=4, delay=1, carry=True, mix=0.5), "carry and mix=0.5")]:
         with pytest.raises(ValueError, match=match):
             OuterConfig(**kwargs)
     with pytest.raises(ValueError, match="at least as many parameter tensors"):
@@ -246,6 +251,17 @@ def test_gradwire_experiment_runs_a_node_as_one_replica(tmp_path, capsys) -> Non
     assert "replica=node" in capsys.readouterr().err
     with pytest.raises(ValueError, match="replica= takes rank or node"):
         parse_method("diloco:H=10,replica=datacenter")
+
+
+def test_carry_is_parsed_from_the_method_string_and_checked() -> None:
+    from gradwire.experiments.config import parse_method
+
+    assert parse_method("diloco:H=10,fragments=2,delay=4,carry=1+int8").outer["carry"] is True
+    assert parse_method("diloco:H=10,fragments=2,delay=4,carry=0").outer["carry"] is False
+    with pytest.raises(ValueError, match="carry= takes 0 or 1"):
+        parse_method("diloco:H=10,delay=4,carry=2")
+    with pytest.raises(ValueError, match="with delay=0 there are none"):
+        parse_method("diloco:H=10,carry=1")
 
 
 def _fragments_mismatch(rank: int, world: int) -> str:

@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# Issue 28: the best streamed method of tta-wan-diloco-gpt-streamed.sh (DiLoCo between 2 emulated nodes with DDP inside, every 10 steps, plain averaging, int8, 3 fragments applied 2 steps after launch) and its blocking form at 1 Gbit/s with 40 ms round trips; charlm's `gpt`, 300 steps of batch 4 per rank, seed 0 (dense at 1 Gbit/s is in tta-wan-diloco-gpt.sh).
+# Needs root, iproute2 and vde2 (scripts/install-wan.sh). About 5 minutes on a 2-core machine; resumable (rerun the same command). Run from any folder: bash experiments/tta-wan-diloco-gpt-streamed-1gbit.sh [extra options]
+exec gradwire experiment --task charlm --arch gpt --batch 4 --nodes 2 --ranks-per-node 2 --links 1gbit --rtt 40ms --seeds 0 --methods diloco:H=10,outer_lr=1,momentum=0,replica=node+int8,diloco:H=10,fragments=3,delay=2,outer_lr=1,momentum=0,replica=node+int8 --steps 300 --eval-every 25 --out experiment-results/tta-wan-diloco-gpt-streamed-1gbit "$@"
