@@ -56,11 +56,11 @@ class OuterConfig:
     fragments: int = 1
     delay: int = 0
     mix: float = 0.0
-    carry: bool = False  # keep the local steps taken while a delayed exchange was in flight
     outer_lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
     feedback_decay: float = 1.0  # error feedback's residual is scaled by this before each sync (SparseLoCo)
+    carry: bool = False  # keep the local steps taken while a delayed exchange was in flight (last: positional order)
 
     def __post_init__(self) -> None:
         if self.sync_every < 1 or self.fragments < 1:
@@ -105,7 +105,8 @@ class DiLoCo:
 
     def __init__(self, model: torch.nn.Module, sync_every: int = 100, compressor: Any = "none",
                  strategy: str | None = None, *, backend: Backend | None = None, fragments: int = 1,
-                 delay: int = 0, mix: float = 0.0, carry: bool = False, outer_lr: float | None = None, momentum: float | None = None,
+                 delay: int = 0, mix: float = 0.0, carry: bool = False, outer_lr: float | None = None,
+                 momentum: float | None = None,
                  nesterov: bool | None = None, feedback_decay: float | None = None,
                  error_feedback: bool | str = "auto", **exchange_options: Any) -> None:
         named_recipe = recipe(compressor)
@@ -114,7 +115,7 @@ class DiLoCo:
         if named_recipe is not None:
             compressor = named_recipe.compressor
             exchange_options = {**named_recipe.exchange, **exchange_options}
-        self.config = OuterConfig(int(sync_every), int(fragments), int(delay), float(mix), bool(carry),
+        self.config = OuterConfig(int(sync_every), int(fragments), int(delay), float(mix), carry=bool(carry),
                                   **{k: _SETTING_TYPES[k](v) for k, v in settings.items()})
         self.model = model
         self.backend = backend if backend is not None else TorchDistBackend()

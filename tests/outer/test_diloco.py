@@ -57,7 +57,7 @@ def simulate(world: int, steps: int, sync_every: int, fragments: int = 1, delay:
     glob = [p.detach().clone() for p in models[0].parameters()]
     frag = split_fragments([p.numel() for p in glob], fragments)
     velocity = [torch.zeros_like(g) for g in glob]
-    pending: list[tuple[int, int, list]] = []  # (apply at, fragment, mean pseudo-gradient, replicas' weights then)
+    pending: list[tuple] = []  # (apply at, fragment, mean pseudo-gradient, replicas' weights then or None)
     for step in range(steps):
         for r, (m, o) in enumerate(zip(models, opts)):
             _inner_step(m, o, r, step)
