@@ -111,6 +111,10 @@ class Backend(ABC):
     #: Whether allreduce leaves bit-identical sums on every rank (gloo and NCCL rings do; MPI
     #: implementations need not), so strategies may use it where replicas must agree exactly.
     allreduce_identical: bool = False
+    #: Whether collectives may be issued from a thread other than the training thread while that
+    #: thread runs collectives of its own on other groups (gloo does; MPI only at
+    #: MPI_THREAD_MULTIPLE), so a caller may move encoding and decoding off the training thread.
+    issue_from_any_thread: bool = False
 
     @abstractmethod
     def allreduce(self, t: torch.Tensor) -> Work[torch.Tensor]:

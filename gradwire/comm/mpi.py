@@ -117,6 +117,7 @@ class MPIBackend(Backend):
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else bool(cuda_aware)
+        self.issue_from_any_thread = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.timeout = float(timeout if timeout is not None else os.environ.get("GRADWIRE_MPI_TIMEOUT", 1800))
         if not self.timeout > 0:
             raise ValueError(f"MPI timeout must be > 0 seconds, got {self.timeout}")

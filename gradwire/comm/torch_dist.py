@@ -76,6 +76,7 @@ def stripes_from_env() -> int:
 
 class TorchDistBackend(Backend):
     allreduce_identical = True  # ring reduce-scatter then allgather: one sum per element, copied
+    issue_from_any_thread = True  # process groups are thread-safe; each collective keeps its issue order
 
     def __init__(self, group: dist.ProcessGroup | None = None, stripes: int | None = None) -> None:
         if not dist.is_initialized():

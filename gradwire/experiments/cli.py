@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .cluster import EmulationUnavailable, check_available
-from .network import LINK_RE, PRESETS, Network, parse_link, parse_ms
+from .network import LINK_RE, PRESETS, Network, parse_link, parse_ms, rate_bits
 from .report import write_report
 from .sweep import Sweep, run_sweep
 from .tasks import TASKS, get_task
@@ -145,6 +145,23 @@ def split_methods(text: str) -> list[str]:
     return methods
 
 
+def seeds_per_link(given: dict[str, list[int]], links: list[str]) -> dict[str, list[int]]:
+    """--link-seeds keyed by the swept links: a swept link string names itself; a bare rate such
+    as 100mbit names every swept link of that rate, whatever --rtt, --jitter or --loss added to it
+    (else `--links 100mbit --rtt 40ms --link-seeds 100mbit=0,1,2` would silently sweep one seed)."""
+    out: dict[str, list[int]] = {}
+    for key, seeds in given.items():
+        if key in links:
+            out[key] = seeds
+            continue
+        if key == "none" or parse_link(key).delayed:
+            continue  # not swept: a partial run
+        for link in links:
+            if link != "none" and rate_bits(parse_link(link).rate) == rate_bits(parse_link(key).rate):
+                out.setdefault(link, seeds)
+    return out
+
+
 def sweep_from(args: argparse.Namespace) -> Sweep:
     if args.quick:
         defaults = build_parser().parse_args([])
@@ -165,6 +182,7 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
             raise ValueError(f"--link-seeds takes LINK=SEEDS with LINK a rate such as 100mbit (or 100mbit-rtt40ms), "
                              f"got {item!r}")
         link_seeds[link] = _csv(int, seeds)  # a link not in --links is not swept (a partial run)
+    link_seeds = seeds_per_link(link_seeds, links)
     methods = split_methods(args.methods)
     method_seeds: dict[str, list[int]] = {}
     for item in args.method_seeds:

@@ -72,7 +72,10 @@ def _outer_options(method: str, allowed: tuple[str, ...], args: str, spec: str) 
         key, eq, value = (part.strip() for part in item.partition("="))
         if not eq or key not in allowed:
             raise ValueError(f"{method} takes {', '.join(f'{k}=' for k in allowed)}; got {item!r} in {spec!r}")
-        number = float(value)
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"{spec!r}: {key}= takes a number, got {value!r}") from None
         as_int = number.is_integer() and key in ("H", "fragments", "delay")
         if key == "carry" and number not in (0, 1):
             raise ValueError(f"{spec!r}: carry= takes 0 or 1, got {value!r}")

@@ -10,14 +10,21 @@ weights with the mean, which then replace the local ones.
 Streaming (Streaming DiLoCo, arXiv 2501.18512): with `fragments=F` the parameters are cut into F
 fragments (in order, about equal in size) that sync in turn, fragment f every H steps at offset
 f*H/F, so each sync moves 1/F of the model; with `delay=tau` a fragment's exchange is issued at
-its sync step and applied tau inner steps later, the replicas training on meanwhile (the
-collectives run in the transport's threads), and the fragment's local weights become
+its sync step and applied tau inner steps later, the replicas training on meanwhile, and the
+fragment's local weights become
 (1 - alpha) * new global + alpha * local (`mix=alpha`; 0: take the global weights). With
 `carry=True` the tau local steps taken while the exchange was in flight are kept instead: the
 fragment becomes new global + (local now - local at launch), so a delayed sync costs no local
 progress (with outer lr 1 and no momentum: each replica moves by the mean of the replicas' launch
 weights minus its own). Which of the two trains better depends on the run; docs/benchmarks.md
 measures both.
+
+A delayed exchange is encoded, exchanged and decoded on a thread of its own, so the training
+thread only takes the pseudo-gradient at a sync and the outer step when it lands. That thread
+issues its collectives over a private copy of the replicas' group (`Backend.split`): the training
+thread's own collectives on `backend` cannot meet them in another order on another rank. Backends
+that cannot be called from two threads at once (`Backend.issue_from_any_thread` false: Horovod,
+MPI below MPI_THREAD_MULTIPLE) exchange on the training thread instead.
 
 A replica is one process here, or one rank of a group that trains with DDP or FSDP2 inside:
 give `backend` over the ranks that hold the same part of the model in every replica (for DDP
@@ -35,7 +42,10 @@ Tests: tests/outer/test_diloco.py (real gloo ranks).
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +145,11 @@ class DiLoCo:
                                            lr=self.config.outer_lr, momentum=self.config.momentum,
                                            nesterov=self.config.nesterov and self.config.momentum > 0)
                            for k in range(self.config.fragments)]
-        self.exchangers = [GradientExchanger(compressor, self.backend, strategy=strategy,
+        # a delayed exchange runs on its own thread, over its own copy of the group (module docstring)
+        background = self.config.delay > 0 and self.backend.issue_from_any_thread
+        exchange_backend = self.backend.split(0, self.backend.rank) if background else self.backend
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="gradwire-diloco") if background else None
+        self.exchangers = [GradientExchanger(compressor, exchange_backend, strategy=strategy,
                                              error_feedback=error_feedback, **exchange_options)
                            for _ in range(self.config.fragments)]
         if self.config.feedback_decay != 1.0 and self.exchangers[0].strategy.feedback is None:
@@ -180,7 +194,11 @@ class DiLoCo:
                 self.globals[i].grad = self.globals[i].detach() - _local(self.params[i]).detach()
             if self.config.carry:
                 self._at_launch[k] = [_local(self.params[i]).detach().clone() for i in members]
-        work = self.exchangers[k].exchange_async_([(self.names[i], self.globals[i]) for i in members])
+        named = [(self.names[i], self.globals[i]) for i in members]
+        if self._thread is not None:  # one thread: exchanges issue in launch order on every rank
+            work: Work[dict[str, Any]] = Work(wait=self._thread.submit(_exchange, self.exchangers[k], named).result)
+        else:
+            work = self.exchangers[k].exchange_async_(named)
         self._pending[k] = (self.inner_step + self.config.delay, work)
         self._launched[k] = (self.inner_step, time.perf_counter() - started)
 
@@ -237,7 +255,7 @@ class DiLoCo:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != 1:
             raise ValueError(f"unknown DiLoCo state version {state.get('version')!r}")
-        if state["config"] != repr(self.config):
+        if saved_config(state["config"]) != self.config:
             raise ValueError(f"the saved DiLoCo ran with {state['config']}, this one with {self.config!r}")
         if len(state["globals"]) != len(self.globals):
             raise ValueError(f"the saved DiLoCo has {len(state['globals'])} parameters, this model {len(self.globals)}")
@@ -251,6 +269,30 @@ class DiLoCo:
         for e, s in zip(self.exchangers, state["exchangers"]):
             e.load_state_dict(s)
         self.inner_step, self.syncs = int(state["inner_step"]), int(state["syncs"])
+
+
+def saved_config(text: str) -> OuterConfig:
+    """The OuterConfig a checkpoint saved as its repr; a field added since then takes its default
+    (what the saving version did), so older checkpoints load; a field this version does not know
+    is refused."""
+    try:
+        call = ast.parse(text, mode="eval").body
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "OuterConfig"
+                and not call.args):
+            raise ValueError("not an OuterConfig(...)")
+        fields = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    except (SyntaxError, ValueError) as e:
+        raise ValueError(f"the saved DiLoCo config {text!r} cannot be read: {e}") from e
+    known = {f.name for f in dataclasses.fields(OuterConfig)}
+    if set(fields) - known:
+        raise ValueError(f"the saved DiLoCo config has settings this gradwire does not know: "
+                         f"{sorted(set(fields) - known)} (saved by a newer version?)")
+    return OuterConfig(**fields)
+
+
+def _exchange(exchanger: GradientExchanger, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """Encode, exchange and decode one fragment's pseudo-gradient (on DiLoCo's exchange thread)."""
+    return exchanger.exchange_async_(named).wait()
 
 
 def split_fragments(numels: list[int], fragments: int) -> list[int]:

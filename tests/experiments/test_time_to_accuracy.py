@@ -56,6 +56,11 @@ def test_link_seeds_give_one_link_more_seeds() -> None:
     assert [(c.link, c.seed) for c in runs] == [("20mbit", 0), ("100mbit", 0), ("100mbit", 1), ("100mbit", 2)]
     only = cli.build_parser().parse_args(["--methods", "none", "--links", "1gbit", "--link-seeds", "100mbit=0,1,2"])
     assert [(c.link, c.seed) for c in cli.sweep_from(only).runs()] == [("1gbit", 0)]  # a partial sweep
+    # a bare rate names that rate's links whatever round-trip time --rtt gave them
+    delayed = cli.build_parser().parse_args(["--methods", "none", "--links", "100mbit,1gbit", "--rtt", "40ms",
+                                             "--link-seeds", "100mbit=0,1,2", "--nodes", "2", "--ranks-per-node", "2"])
+    assert [(c.link, c.seed) for c in cli.sweep_from(delayed).runs()] == [
+        ("100mbit-rtt40ms", 0), ("100mbit-rtt40ms", 1), ("100mbit-rtt40ms", 2), ("1gbit-rtt40ms", 0)]
     bad = cli.build_parser().parse_args(["--links", "20mbit", "--link-seeds", "fast=1"])
     with pytest.raises(ValueError, match="--link-seeds"):
         cli.sweep_from(bad)

@@ -10,6 +10,7 @@ import torch
 
 from gradwire.errors import ConfigMismatchError
 from gradwire.outer import DiLoCo, OuterConfig, split_fragments
+from gradwire.outer.diloco import saved_config
 from multiproc import run_ranks
 
 STEPS = 9
@@ -109,6 +110,47 @@ def test_uncompressed_diloco_matches_the_papers_equations(options: dict) -> None
         assert [(s["fragment"], s["step"]) for s in a["stats"]] == [(0, 3), (1, 5), (0, 7), (1, 9)]
 
 
+def _train_beside_own_collectives(rank: int, world: int, on_training_thread: bool) -> dict:
+    """Streamed int8 DiLoCo while the training thread all-reduces on the same (default) group
+    right after every `step()`, when a launched exchange is issuing its own collectives."""
+    import threading
+
+    import torch.distributed as dist
+
+    from gradwire.comm.torch_dist import TorchDistBackend
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backend = TorchDistBackend()
+    backend.issue_from_any_thread = not on_training_thread
+    outer = DiLoCo(model, sync_every=4, fragments=2, delay=1, compressor="int8", backend=backend)
+    threads: list[str] = []
+    for exchanger in outer.exchangers:
+        def recorded(named, exchange=exchanger.exchange_async_):
+            threads.append(threading.current_thread().name)
+            return exchange(named)
+        exchanger.exchange_async_ = recorded
+    sums = []
+    for step in range(STEPS):
+        _inner_step(model, opt, rank, step)
+        outer.step()
+        mine = torch.full((1000,), float(rank + step))
+        dist.all_reduce(mine)
+        sums.append(mine.unique().tolist())
+    outer.finish()
+    return {"params": [p.detach().clone() for p in model.parameters()], "threads": threads, "sums": sums}
+
+
+def test_streamed_exchanges_run_off_the_training_thread_and_its_own_collectives_keep_their_order() -> None:
+    background, foreground = (run_ranks(_train_beside_own_collectives, 2, on) for on in (False, True))
+    for r in range(2):
+        assert background[r]["threads"] and all(t.startswith("gradwire-diloco") for t in background[r]["threads"])
+        assert foreground[r]["threads"] and all(t == "MainThread" for t in foreground[r]["threads"])
+        assert background[r]["sums"] == [[float(1 + 2 * step)] for step in range(STEPS)]  # 0+s + 1+s
+        for x, y in zip(background[r]["params"], foreground[r]["params"]):
+            assert torch.equal(x, y)  # the same exchange, only on another thread
+
+
 def test_int8_pseudo_gradients_send_a_quarter_and_replicas_stay_identical() -> None:
     dense, int8 = (run_ranks(_train, 2, dict(sync_every=3, compressor=c)) for c in ("none", "int8"))
     sent = sum(s["bytes_sent"] for s in int8[0]["stats"])
@@ -169,7 +211,9 @@ def _resume(rank: int, world: int) -> dict:
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.5)
     opt2.load_state_dict(saved[1])
     outer2 = DiLoCo(model2, **options)
-    outer2.load_state_dict(saved[2])
+    before_carry = saved[2]["config"].replace(", carry=False", "")  # as a checkpoint from before `carry` reads
+    assert before_carry != saved[2]["config"]
+    outer2.load_state_dict({**saved[2], "config": before_carry})
     for step in range(6, 11):
         _inner_step(model2, opt2, rank, step)
         outer2.step()
@@ -180,6 +224,19 @@ def test_a_resumed_run_continues_bit_identically() -> None:
     """Global weights, outer momentum and top-k's error feedback all come back."""
     for r in run_ranks(_resume, 2):
         assert all(torch.equal(x, y) for x, y in zip(r["straight"], r["resumed"]))
+
+
+def test_a_saved_config_is_compared_field_by_field() -> None:
+    now = OuterConfig(sync_every=10, fragments=3, delay=2, outer_lr=1.0, momentum=0.0)
+    assert saved_config(repr(now)) == now
+    assert saved_config("OuterConfig(sync_every=10, fragments=3, delay=2, mix=0.0, outer_lr=1.0, momentum=0.0, "
+                        "nesterov=True, feedback_decay=1.0)") == now  # saved before `carry`: its default
+    assert saved_config(repr(OuterConfig(sync_every=10, fragments=3, delay=2, carry=True))) != now
+    with pytest.raises(ValueError, match="does not know: \\['lookahead'\\]"):
+        saved_config("OuterConfig(sync_every=10, lookahead=2)")
+    for garbage in ("OuterConfig(sync_every=os.system('x'))", "print(1)", "OuterConfig(10)", "OuterConfig("):
+        with pytest.raises(ValueError, match="cannot be read"):
+            saved_config(garbage)
 
 
 def test_bad_settings_are_refused() -> None:
@@ -262,6 +319,9 @@ def test_carry_is_parsed_from_the_method_string_and_checked() -> None:
         parse_method("diloco:H=10,delay=4,carry=2")
     with pytest.raises(ValueError, match="with delay=0 there are none"):
         parse_method("diloco:H=10,carry=1")
+    for spec, key in [("diloco:H=10,delay=4,carry=yes", "carry"), ("diloco:H=ten", "H")]:
+        with pytest.raises(ValueError, match=f"{key}= takes a number, got"):
+            parse_method(spec)
 
 
 def _fragments_mismatch(rank: int, world: int) -> str:
