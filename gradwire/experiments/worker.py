@@ -372,7 +372,8 @@ def train(cfg: RunConfig, run_dir: Path, rank: int, world: int, addr: str = "127
         # (with replica=node the DDP all-reduce inside the node counts as compute: the fast link of a datacenter)
         summary["compute_utilization"] = max(0.0, 1.0 - exposed / wall) if wall > 0 else 0.0
         summary["exposed_comm_s"] = exposed
-        # apart: the work on the training thread at launch (pseudo-gradient, encode) and the waits
+        # apart: the training thread's work at launch (the pseudo-gradient; the encode too unless
+        # the exchange runs on DiLoCo's own thread) and its waits for exchanges to land
         summary["exposed_launch_s"] = sum(s["launch_s"] for s in state.outer.stats)
         summary["exposed_wait_s"] = sum(s["wait_s"] for s in state.outer.stats)
         summary["syncs"] = len(state.outer.stats)

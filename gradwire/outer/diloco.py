@@ -137,16 +137,18 @@ class DiLoCo:
         self.fragment_of = split_fragments([p.numel() for p in self.params], self.config.fragments)
         strategy = strategy or ("allreduce" if str(compressor) in ("none", "fp16", "bf16") else "allgather")
         exchange = f"compressor={compressor} strategy={strategy} error_feedback={error_feedback} {exchange_options}"
+        # a delayed exchange runs on its own thread, over its own copy of the group (module docstring);
+        # checked with the rest, so no rank splits the group (a collective) while another does not
+        background = self.config.delay > 0 and self.backend.issue_from_any_thread
         # (first: the exchangers below each run their own check, as many as there are fragments)
-        check_same_config(self.backend, f"{self.describe_outer()} {exchange}", "DiLoCo configs")
+        check_same_config(self.backend, f"{self.describe_outer()} {exchange} exchange_thread={background}",
+                          "DiLoCo configs")
         with torch.no_grad():
             self.globals = [torch.nn.Parameter(_local(p).detach().clone()) for p in self.params]
         self.outer_opts = [torch.optim.SGD([g for g, f in zip(self.globals, self.fragment_of) if f == k],
                                            lr=self.config.outer_lr, momentum=self.config.momentum,
                                            nesterov=self.config.nesterov and self.config.momentum > 0)
                            for k in range(self.config.fragments)]
-        # a delayed exchange runs on its own thread, over its own copy of the group (module docstring)
-        background = self.config.delay > 0 and self.backend.issue_from_any_thread
         exchange_backend = self.backend.split(0, self.backend.rank) if background else self.backend
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="gradwire-diloco") if background else None
         self.exchangers = [GradientExchanger(compressor, exchange_backend, strategy=strategy,
@@ -287,7 +289,10 @@ def saved_config(text: str) -> OuterConfig:
     if set(fields) - known:
         raise ValueError(f"the saved DiLoCo config has settings this gradwire does not know: "
                          f"{sorted(set(fields) - known)} (saved by a newer version?)")
-    return OuterConfig(**fields)
+    try:
+        return OuterConfig(**fields)
+    except TypeError as e:  # a value of the wrong type (ValueError: out of range, said as such)
+        raise ValueError(f"the saved DiLoCo config {text!r} cannot be read: {e}") from e
 
 
 def _exchange(exchanger: GradientExchanger, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:

@@ -151,6 +151,23 @@ def test_streamed_exchanges_run_off_the_training_thread_and_its_own_collectives_
             assert torch.equal(x, y)  # the same exchange, only on another thread
 
 
+def _thread_mismatch(rank: int, world: int) -> str:
+    from gradwire.comm.torch_dist import TorchDistBackend
+
+    backend = TorchDistBackend()
+    backend.issue_from_any_thread = rank == 0  # (as MPI ranks initialized at different thread levels)
+    try:
+        DiLoCo(_model(), sync_every=4, fragments=2, delay=1, backend=backend)
+    except ConfigMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_disagree_on_the_exchange_thread_all_raise_before_splitting_the_group() -> None:
+    for message in run_ranks(_thread_mismatch, 2, timeout=60):
+        assert "exchange_thread" in message, message
+
+
 def test_int8_pseudo_gradients_send_a_quarter_and_replicas_stay_identical() -> None:
     dense, int8 = (run_ranks(_train, 2, dict(sync_every=3, compressor=c)) for c in ("none", "int8"))
     sent = sum(s["bytes_sent"] for s in int8[0]["stats"])
@@ -234,7 +251,8 @@ def test_a_saved_config_is_compared_field_by_field() -> None:
     assert saved_config(repr(OuterConfig(sync_every=10, fragments=3, delay=2, carry=True))) != now
     with pytest.raises(ValueError, match="does not know: \\['lookahead'\\]"):
         saved_config("OuterConfig(sync_every=10, lookahead=2)")
-    for garbage in ("OuterConfig(sync_every=os.system('x'))", "print(1)", "OuterConfig(10)", "OuterConfig("):
+    for garbage in ("OuterConfig(sync_every=os.system('x'))", "print(1)", "OuterConfig(10)", "OuterConfig(",
+                    "OuterConfig(sync_every='10')"):
         with pytest.raises(ValueError, match="cannot be read"):
             saved_config(garbage)
 
