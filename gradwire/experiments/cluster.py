@@ -45,6 +45,14 @@ def _run(*cmd: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
 
 
+def _mac(ns: str, dev: str) -> str:
+    out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", dev], capture_output=True, text=True).stdout
+    found = re.search(r"link/ether ([0-9a-f:]{17})", out)
+    if found is None:
+        raise RuntimeError(f"no MAC address for {dev} in {ns}: {out.strip()!r}")
+    return found.group(1)
+
+
 def check_available(delayed: bool = False) -> None:
     """Raise EmulationUnavailable with what is missing (for links with a round-trip time too,
     when `delayed`); does nothing when all is in place."""
@@ -194,6 +202,20 @@ class EmulatedCluster:
             self.wires.connect(switches)
         except RuntimeError as exc:
             raise EmulationUnavailable(f"cannot build the delayed links: {exc}") from exc
+        self._pin_neighbours()
+
+    def _pin_neighbours(self) -> None:
+        """Permanent ARP entries between every pair of nodes. The loss a WAN link emulates happens
+        between routers, where no ARP crosses; letting the wires drop ARP would instead stall a
+        node for the 1-3 s of ARP retries (unicast packets queued meanwhile) whenever an address
+        is first used or re-probed, a stall no routed path shows."""
+        firsts = [node * self.ranks_per_node for node in range(self.nodes)]
+        macs = {r: _mac(self.ns(r), self.iface(r)) for r in firsts}
+        for r in firsts:
+            for peer in firsts:
+                if peer != r:
+                    _run("ip", "-n", self.ns(r), "neigh", "replace", self.address(peer), "lladdr", macs[peer],
+                         "dev", self.iface(r), "nud", "permanent")
 
     def teardown(self) -> None:
         if self.wires is not None:
