@@ -167,8 +167,9 @@ def test_jitter_and_loss_reach_the_wire() -> None:
         lossy = _pings(c, 0, 1, count=60)
     # ARP never crosses the lossy wire (a lost ARP would stall every ping behind it for seconds)
     assert "PERMANENT" in neighbours, neighbours
-    # a lost echo is dropped, never held back: every one that returns took about the round trip
-    assert all(19.0 <= t <= 30.0 for t in lossy), lossy
+    # a lost echo is dropped, never held back: none that returns waited behind a retried ARP (1 s a
+    # try); the bound leaves the user-space wires room for a busy machine's scheduling delays
+    assert all(19.0 <= t <= 100.0 for t in lossy), lossy
     # each one-way delay 20 +- 10 ms: round trips spread over 40 +- 20 ms
     assert max(jittery) - min(jittery) > 5.0 and all(19.0 <= t <= 63.0 for t in jittery), jittery
     # 30% lost each way: an echo comes back with probability 0.7 x 0.7, so about 31 of 60 are lost

@@ -3,6 +3,10 @@ continues bit for bit, each process getting back its own error feedback."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from gradwire.outer import DiLoCo, checkpoint
@@ -84,3 +88,19 @@ def _in_flight(rank: int, world: int, path: str) -> str:
 def test_save_refuses_while_an_exchange_is_in_flight(tmp_path) -> None:
     for message in run_ranks(_in_flight, 2, str(tmp_path / "ckpt")):
         assert "still being exchanged" in message
+
+
+def test_the_outer_loop_imports_dcp_only_when_a_checkpoint_is_used() -> None:
+    """An experiment rank imports the outer loop but never saves: DCP (DTensor, sympy; about a
+    second) stays out of its start-up, and `gradwire.outer.checkpoint` still works when named."""
+    probe = ("import sys, gradwire.experiments.worker, gradwire.outer as outer\n"
+             "before = 'torch.distributed.checkpoint' in sys.modules\n"
+             "save = outer.checkpoint.save\n"
+             "print(before, 'torch.distributed.checkpoint' in sys.modules, 'checkpoint' in outer.__all__)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "True"], done.stdout
+    with pytest.raises(AttributeError, match="no attribute 'checkpont'"):
+        import gradwire.outer
+
+        gradwire.outer.checkpont  # noqa: B018 - a misspelt name fails as for any module
